@@ -1,0 +1,23 @@
+"""sdcguard: silent-data-corruption detection inside PyTorch data-parallel training.
+
+The checks need torch; the alarm schema and the spool do not, so ``import sdcguard`` stays light
+and the torch-dependent names load on first use.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .alarm import SCHEMA, AlarmError
+from .config import Config
+
+__version__ = "0.1.0"
+__all__ = ["Guard", "Config", "SDCDetected", "fingerprint", "SCHEMA", "AlarmError", "__version__"]
+
+_LAZY = {"Guard": "guard", "SDCDetected": "errors", "fingerprint": "fingerprint"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'sdcguard' has no attribute {name!r}")

@@ -1,0 +1,95 @@
+"""The DDP communication hook that looks at each rank's local gradient before it is averaged.
+
+Once the all-reduce has run, every replica holds the same average and a bad rank can no longer be
+told apart, so what checks 1a and 2 need is recorded here, per bucket, on the way in:
+  - the squared norm of the local gradient (check 1a: one scalar per rank is gathered later);
+  - on audit steps, each parameter's local-gradient fingerprint (check 2 compares them with a
+    replay on another node);
+and on the way out, the squared norm of the reduced gradient (check 1b).
+
+The reduction itself is delegated to an inner hook (plain all-reduce by default), so sdcguard
+composes with compression hooks and the drill can put a fault inside the all-reduce.
+"""
+
+from typing import Any, Callable
+
+# No `from __future__ import annotations`: DDP checks comm-hook annotations at runtime.
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from .fingerprint import Fingerprint, fingerprint
+
+__all__ = ["GradientRecorder", "record_then_reduce"]
+
+ReduceHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+
+
+class GradientRecorder:
+    """State of :func:`record_then_reduce`: settings first, then what one step recorded."""
+
+    __slots__ = (
+        "inner_hook", "inner_state", "param_index",
+        "audit", "local_sq", "reduced_sq", "fingerprints",
+    )
+
+    def __init__(
+        self,
+        parameters: list[torch.nn.Parameter],
+        process_group: dist.ProcessGroup | None = None,
+        inner_hook: ReduceHook | None = None,
+        inner_state: Any = None,
+    ) -> None:
+        # Settings.
+        self.inner_hook: ReduceHook = inner_hook or default_hooks.allreduce_hook
+        self.inner_state = inner_state if inner_hook else process_group
+        self.param_index = {id(p): i for i, p in enumerate(parameters)}
+        # Per-step records, keyed by bucket index: buckets may finish on another thread, and a
+        # dict item assignment needs no lock where a running sum would.
+        self.audit = False
+        self.local_sq: dict[int, torch.Tensor] = {}
+        self.reduced_sq: dict[int, torch.Tensor] = {}
+        self.fingerprints: dict[int, Fingerprint] = {}
+
+    def begin_step(self, audit: bool) -> None:
+        """Forget the previous step; record fingerprints only when this step is audited."""
+        self.audit = audit
+        self.local_sq = {}
+        self.reduced_sq = {}
+        self.fingerprints = {}
+
+    def norms(self, device: torch.device) -> torch.Tensor:
+        """``[local, reduced]`` squared gradient norms of this step, float64, on ``device``."""
+        return torch.stack([_total(self.local_sq, device), _total(self.reduced_sq, device)])
+
+    def record_fingerprints(self, bucket: dist.GradBucket) -> None:
+        for param, grad in zip(bucket.parameters(), bucket.gradients()):
+            self.fingerprints[self.param_index[id(param)]] = fingerprint(grad)
+
+
+def record_then_reduce(
+    state: GradientRecorder, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Record the local gradient's norm (and fingerprints on audit steps), then reduce."""
+    index = bucket.index()
+    state.local_sq[index] = _squared_norm(bucket.buffer())
+    if state.audit:
+        state.record_fingerprints(bucket)
+
+    def record_reduced(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        reduced = fut.value()
+        state.reduced_sq[index] = _squared_norm(reduced)
+        return reduced
+
+    return state.inner_hook(state.inner_state, bucket).then(record_reduced)
+
+
+def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:
+    """Squared L2 norm accumulated in float64, so a large finite gradient never reads as Inf."""
+    return torch.linalg.vector_norm(tensor, 2, dtype=torch.float64).square()
+
+
+def _total(parts: dict[int, torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not parts:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack([p.to(device) for p in parts.values()]).sum()

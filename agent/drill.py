@@ -1,0 +1,184 @@
+"""``sdcguard drill``: a real multi-process DDP run with injected faults, judged and reported.
+
+It is the first-run demo and the user's fault-injection release test. The parent process checks
+every argument before any process starts, launches one worker per rank (simulated node ``k`` is
+``drill-node-<k>``), streams their timeline, then judges the alarms and writes the JSON report.
+Exit status: 0 drill passed, 1 a fault was missed or misattributed or an alarm is unexplained,
+2 bad input, 3 the run itself failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from . import alarm as _alarm
+from . import spool
+from .drill_report import Schedule, judge, passed
+from .faults import FaultSpec, FaultSpecError, parse_fault
+
+
+class DrillInputError(ValueError):
+    """Bad drill arguments: reported on one line, exit status 2, nothing started."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=3, help="simulated nodes N (default 3)")
+    parser.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node R (default 2)")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    parser.add_argument("--audit-every", type=int, default=5, help="check 2 interval, 0 = off (default 5)")
+    parser.add_argument("--weight-check-every", type=int, default=2, help="check 3 interval, 0 = audit steps only (default 2)")
+    parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step (default 1)")
+    parser.add_argument("--inject", action="append", default=[], metavar="KIND:rank=R:step=S[:magnitude=X][:every=K]",
+                        help="a fault to inject (repeatable)")
+    parser.add_argument("--on-alarm", choices=("stop", "resume"), default="stop",
+                        help="stop at the first alarm, or replace the suspects and resume from the last verified step")
+    parser.add_argument("--report", type=Path, help="write the JSON report here")
+    parser.add_argument("--spool", type=Path, help="alarm spool directory (default: a temporary one)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                        help="gloo on CPU; auto picks nccl when enough GPUs exist")
+    parser.add_argument("--timeout", type=int, default=300, help="collective timeout in seconds")
+
+
+def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Validate everything up front; raise DrillInputError with a one-line message."""
+    for name in ("nodes", "ranks_per_node", "steps", "micro_batches", "timeout"):
+        if getattr(args, name) < 1:
+            raise DrillInputError(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("audit_every", "weight_check_every"):
+        if getattr(args, name) < 0:
+            raise DrillInputError(f"--{name.replace('_', '-')} must be >= 0")
+    world = args.nodes * args.ranks_per_node
+    try:
+        faults = [parse_fault(text, world) for text in args.inject]
+    except FaultSpecError as exc:
+        raise DrillInputError(str(exc)) from None
+    return {
+        "nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "world_size": world,
+        "steps": args.steps, "audit_every": args.audit_every,
+        "weight_check_every": args.weight_check_every, "micro_batches": args.micro_batches,
+        "faults": [f.as_dict() for f in faults], "on_alarm": args.on_alarm, "seed": args.seed,
+        "backend": _backend(args.backend, world), "timeout_s": args.timeout,
+        "print_every": max(1, args.steps // 10),
+    }
+
+
+def run(cfg: dict[str, Any], report_path: Path | None, spool_dir: Path | None) -> int:
+    """Launch the ranks, wait, judge, print and write the report; return the exit status."""
+    with tempfile.TemporaryDirectory(prefix="sdcguard-drill-") as workdir:
+        cfg = {**cfg, "workdir": workdir, "spool": str(spool_dir or Path(workdir, "spool"))}
+        _print_header(cfg)
+        codes = _launch(cfg)
+        results = [_read_json(Path(workdir, f"rank-{r}.json")) for r in range(cfg["world_size"])]
+        if any(codes) or None in results:
+            print(f"[drill] run failed: worker exit codes {codes}", file=sys.stderr)
+            return 3
+        alarms = [_alarm.loads(p.read_text()) for p in spool.list_alarms(cfg["spool"])]
+    report = build_report(cfg, results, alarms)
+    _print_summary(report)
+    if report_path:
+        report_path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        print(f"[drill] report written to {report_path}")
+    return 0 if report["passed"] else 1
+
+
+def build_report(cfg: dict[str, Any], results: list[dict[str, Any]], alarms: list[dict[str, Any]]) -> dict[str, Any]:
+    faults = [FaultSpec(**f) for f in cfg["faults"]]
+    stopped_at = results[0]["stopped_at_step"]
+    plan = Schedule(cfg["steps"], cfg["audit_every"], cfg["weight_check_every"], cfg["nodes"])
+    rows, unexplained = judge(faults, alarms, plan, stopped_at)
+    public_cfg = {k: v for k, v in cfg.items() if k not in ("workdir", "print_every")}
+    return {
+        "config": public_cfg,
+        "injected": rows,
+        "fired": _merge_fired(results),
+        "alarms": alarms,
+        "unexplained_alarms": [a["id"] for a in unexplained],
+        "steps_completed": results[0]["steps_completed"],
+        "stopped_at_step": stopped_at,
+        "final_weight_digests": {r["rank"]: r["final_weights"] for r in results},
+        "passed": passed(rows, unexplained),
+    }
+
+
+def _merge_fired(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per (kind, step) with the ranks it struck (an all-reduce fault strikes all)."""
+    merged: dict[tuple[str, int], list[int]] = {}
+    for result in results:
+        for event in result["fired"]:
+            merged.setdefault((event["kind"], event["step"]), []).append(event["rank"])
+    return [{"kind": k, "step": s, "ranks": sorted(r)} for (k, s), r in sorted(merged.items(), key=lambda i: i[0][1])]
+
+
+def _launch(cfg: dict[str, Any]) -> list[int]:
+    config_path = Path(cfg["workdir"], "config.json")
+    config_path.write_text(json.dumps(cfg))
+    procs = []
+    for rank in range(cfg["world_size"]):
+        env = {
+            **os.environ,
+            "RANK": str(rank), "WORLD_SIZE": str(cfg["world_size"]),
+            "LOCAL_RANK": str(rank % cfg["ranks_per_node"]),
+            "LOCAL_WORLD_SIZE": str(cfg["ranks_per_node"]),
+            "NODE_NAME": f"drill-node-{rank // cfg['ranks_per_node']}",
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(subprocess.Popen([sys.executable, "-m", "sdcguard.drill_worker", str(config_path)], env=env))
+    try:
+        return [p.wait() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def _backend(choice: str, world: int) -> str:
+    if choice != "auto":
+        return choice
+    try:
+        import torch
+        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+    except ImportError:
+        return "gloo"
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _print_header(cfg: dict[str, Any]) -> None:
+    faults = ", ".join(str(FaultSpec(**f)) for f in cfg["faults"]) or "none"
+    print(f"[drill] {cfg['nodes']} nodes x {cfg['ranks_per_node']} ranks ({cfg['backend']}), "
+          f"{cfg['steps']} steps, audit every {cfg['audit_every'] or 'never'}, "
+          f"weight check every {cfg['weight_check_every'] or 'audit step'}", flush=True)
+    print(f"[drill] injecting: {faults}", flush=True)
+
+
+def _print_summary(report: dict[str, Any]) -> None:
+    print("[drill] ---- summary ----")
+    for e in report["fired"]:
+        ranks = "every rank" if len(e["ranks"]) == report["config"]["world_size"] else \
+            "rank " + ", ".join(map(str, e["ranks"]))
+        print(f"[drill] fired    {e['kind']} on {ranks} at step {e['step']}")
+    for a in report["alarms"]:
+        who = ", ".join(f"rank {s['rank']} on {s['node'] or '?'}" for s in a["suspects"]) or "no rank"
+        amb = " (ambiguous)" if a["ambiguous"] else ""
+        print(f"[drill] alarm    check {a['check']} at step {a['step']}: {who}{amb}")
+    for row in report["injected"]:
+        fault = FaultSpec(**{k: row[k] for k in ("kind", "rank", "step", "magnitude", "every")})
+        print(f"[drill] verdict  {fault}: {row['outcome'].upper()} ({row['why']})")
+    for alarm_id in report["unexplained_alarms"]:
+        print(f"[drill] verdict  UNEXPLAINED alarm {alarm_id} (a false alarm, or a misjudged fault)")
+    stop = report["stopped_at_step"]
+    print(f"[drill] {report['steps_completed']} steps completed"
+          + (f", stopped at step {stop}" if stop is not None else ", run finished"))
+    print(f"[drill] drill {'PASSED' if report['passed'] else 'FAILED'}")

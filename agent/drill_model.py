@@ -1,0 +1,50 @@
+"""The drill's small deterministic model and data: everything derives from one seed."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .rng import forward_seed
+
+FEATURES, WIDTH, CLASSES = 16, 32, 4
+
+
+class DrillModel(nn.Module):
+    """An MLP with LayerNorm and dropout: enough structure for every fault kind to land."""
+
+    def __init__(self, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.embed = nn.Linear(FEATURES, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.drop = nn.Dropout(dropout)
+        self.hidden = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(F.gelu(self.norm(self.embed(x))))
+        return self.head(F.gelu(self.hidden(h)))
+
+    @property
+    def activation_site(self) -> nn.Module:
+        """Where forward faults strike: the first layer's output."""
+        return self.embed
+
+    @property
+    def fault_parameter(self) -> nn.Parameter:
+        """Where gradient, optimizer and weight faults strike."""
+        return self.hidden.weight
+
+
+def make_batch(seed: int, step: int, rank: int, micro: int, size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s micro-batch ``micro`` of step ``step``; labels come from a fixed teacher."""
+    teacher = torch.Generator().manual_seed(seed)
+    weights = torch.randn(FEATURES, CLASSES, generator=teacher)
+    gen = torch.Generator().manual_seed(forward_seed(seed + 1, step, rank, micro))
+    x = torch.randn(size, FEATURES, generator=gen)
+    return x, (x @ weights).argmax(dim=1)
+
+
+def loss_fn(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(module(x), y)

@@ -1,0 +1,41 @@
+"""Checks 1a and 1b: a NaN or Inf gradient, found before the optimizer applies it.
+
+One all-gather of two float64 scalars per rank and step — ``[local, reduced]`` squared gradient
+norms — is all it costs, whatever the model size. Every rank then reaches the same verdict.
+"""
+from __future__ import annotations
+
+import math
+import torch
+import torch.distributed as dist
+
+from .alarm import CHECK_NONFINITE_LOCAL, CHECK_NONFINITE_REDUCED
+from .verdict import Verdict
+
+
+def gather_norms(norms: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[tuple[float, float]]:
+    """All ranks' ``[local, reduced]`` squared norms, indexed by rank."""
+    parts = [torch.empty_like(norms) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, norms, group=group)
+    return [(float(p[0]), float(p[1])) for p in parts]
+
+
+def judge_nonfinite(norms: list[tuple[float, float]]) -> Verdict | None:
+    """Check 1a first (it can name ranks), then 1b (a fault inside the all-reduce names none)."""
+    local_bad = [r for r, (local, _) in enumerate(norms) if not math.isfinite(local)]
+    if local_bad:
+        return Verdict(
+            CHECK_NONFINITE_LOCAL,
+            suspects=local_bad,
+            evidence={"local_grad_sq_norms": {r: norms[r][0] for r in local_bad}},
+        )
+    reduced_bad = [r for r, (_, reduced) in enumerate(norms) if not math.isfinite(reduced)]
+    if reduced_bad:
+        return Verdict(
+            CHECK_NONFINITE_REDUCED,
+            evidence={
+                "reduced_grad_sq_norm": norms[reduced_bad[0]][1],
+                "ranks_seeing_it": reduced_bad,
+            },
+        )
+    return None

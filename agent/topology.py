@@ -1,0 +1,55 @@
+"""Who is where: ranks, nodes, the replay ring, and which rank reports an alarm."""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from .config import Config
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """The data-parallel group as every rank sees it (identical on all ranks)."""
+
+    rank: int
+    world_size: int
+    ranks_per_node: int
+    identities: dict[int, dict[str, Any]]
+    """rank -> ``{rank, pod, node}`` as each rank read it from its own environment."""
+    run_id: str
+    """Chosen by rank 0 at start-up; makes alarm ids unique per run and equal on every rank."""
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def replay_target(self, rank: int) -> int:
+        """The rank whose batch ``rank`` replays: same local index, next node (SPEC §3)."""
+        return (rank + self.ranks_per_node) % self.world_size
+
+    def reporter(self, suspects: list[int]) -> int:
+        """The rank that writes the alarm: the lowest one not under suspicion."""
+        healthy = [r for r in range(self.world_size) if r not in suspects]
+        return healthy[0] if healthy else 0
+
+
+def gather_topology(config: Config, group: dist.ProcessGroup | None = None) -> Topology:
+    """One collective at start-up: every rank's identity, and rank 0's run id."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    per_node = config.ranks_per_node or world
+    if world % per_node:
+        raise ValueError(
+            f"world size {world} is not a multiple of ranks_per_node {per_node} "
+            "(set SDCGUARD_RANKS_PER_NODE or LOCAL_WORLD_SIZE)"
+        )
+    mine = {"rank": rank, "pod": config.pod, "node": config.node, "run_id": uuid.uuid4().hex[:12]}
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    identities = {e["rank"]: {"rank": e["rank"], "pod": e["pod"], "node": e["node"]} for e in everyone}
+    return Topology(rank, world, per_node, identities, run_id=everyone[0]["run_id"])
