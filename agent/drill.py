@@ -28,7 +28,8 @@ class DrillInputError(ValueError):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", type=int, default=3, help="simulated nodes N (default 3)")
+    parser.add_argument("--nodes", type=int, help="simulated nodes N (default 3, or W / R)")
+    parser.add_argument("--world-size", type=int, help="ranks W in all (default N x R)")
     parser.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node R (default 2)")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     parser.add_argument("--audit-every", type=int, default=5, help="check 2 interval, 0 = off (default 5)")
@@ -48,25 +49,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Validate everything up front; raise DrillInputError with a one-line message."""
-    for name in ("nodes", "ranks_per_node", "steps", "micro_batches", "timeout"):
-        if getattr(args, name) < 1:
+    for name in ("nodes", "world_size", "ranks_per_node", "steps", "micro_batches", "timeout"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise DrillInputError(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("audit_every", "weight_check_every"):
         if getattr(args, name) < 0:
             raise DrillInputError(f"--{name.replace('_', '-')} must be >= 0")
-    world = args.nodes * args.ranks_per_node
+    nodes, world = _layout(args.nodes, args.world_size, args.ranks_per_node)
     try:
         faults = [parse_fault(text, world) for text in args.inject]
     except FaultSpecError as exc:
         raise DrillInputError(str(exc)) from None
     return {
-        "nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "world_size": world,
+        "nodes": nodes, "ranks_per_node": args.ranks_per_node, "world_size": world,
         "steps": args.steps, "audit_every": args.audit_every,
         "weight_check_every": args.weight_check_every, "micro_batches": args.micro_batches,
         "faults": [f.as_dict() for f in faults], "on_alarm": args.on_alarm, "seed": args.seed,
         "backend": _backend(args.backend, world), "timeout_s": args.timeout,
         "print_every": max(1, args.steps // 10),
     }
+
+
+def _layout(nodes: int | None, world: int | None, per_node: int) -> tuple[int, int]:
+    """(N, W) from whichever of --nodes / --world-size was given, checked against R."""
+    if world is None:
+        nodes = 3 if nodes is None else nodes
+        return nodes, nodes * per_node
+    if world % per_node:
+        raise DrillInputError(f"world size {world} is not divisible by --ranks-per-node {per_node}")
+    if nodes is not None and nodes * per_node != world:
+        raise DrillInputError(f"--world-size {world} != --nodes {nodes} x --ranks-per-node {per_node}")
+    return world // per_node, world
 
 
 def run(cfg: dict[str, Any], report_path: Path | None, spool_dir: Path | None) -> int:

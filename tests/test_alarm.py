@@ -1,0 +1,90 @@
+"""The alarm schema and the spool: records validate, round-trip, and land atomically."""
+import json
+import math
+
+import pytest
+
+from sdcguard import alarm, spool
+
+IDENTITIES = {r: {"rank": r, "pod": f"job-worker-{r}", "node": f"hyperpod-i-0abc{r}"} for r in range(4)}
+
+
+def _record(**overrides):
+    args = dict(
+        alarm_id="run1-1-weights-step7", job={"kind": "PyTorchJob", "name": "llm", "namespace": "ml"},
+        check=alarm.CHECK_WEIGHTS, step=7, suspect_ranks=[2], identities=IDENTITIES, ambiguous=False,
+        reporter_rank=0, evidence={"norm": float("nan"), "big": float("inf")}, last_verified_step=6,
+        last_good_checkpoint=None,
+    )
+    args.update(overrides)
+    return alarm.make_alarm(**args)
+
+
+def test_record_has_every_required_field_and_resolved_suspects():
+    record = _record()
+    assert set(alarm.REQUIRED_FIELDS) <= set(record)
+    assert record["schema"] == "sdcguard.dev/alarm/v1"
+    assert record["suspects"] == [{"rank": 2, "pod": "job-worker-2", "node": "hyperpod-i-0abc2"}]
+    assert record["reporter"]["rank"] == 0
+    assert record["time"].endswith("Z")
+
+
+def test_non_finite_evidence_becomes_strict_json():
+    text = alarm.dumps(_record())
+    parsed = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    assert parsed["evidence"] == {"norm": "nan", "big": "inf"}
+    assert alarm.loads(text) == parsed
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda r: r.pop("suspects"), "lacks required fields: suspects"),
+    (lambda r: r.update(schema="sdcguard.dev/alarm/v2"), "unsupported alarm schema"),
+    (lambda r: r.update(step=-1), "step must be"),
+    (lambda r: r.update(step=True), "step must be"),
+    (lambda r: r.update(suspect_ranks=[2, 3]), "one {rank, pod, node} per suspect"),
+    (lambda r: r.update(job={"name": "x"}), "job must be null"),
+    (lambda r: r.update(ambiguous="no"), "ambiguous must be a boolean"),
+    (lambda r: r["reporter"].pop("node"), "reporter.node"),
+])
+def test_invalid_records_are_rejected_with_the_field_named(mutate, message):
+    record = _record()
+    mutate(record)
+    with pytest.raises(alarm.AlarmError, match=message.replace("{", r"\{").replace("}", r"\}")):
+        alarm.validate(record)
+
+
+def test_loads_rejects_garbage():
+    with pytest.raises(alarm.AlarmError, match="not valid JSON"):
+        alarm.loads("{half a record")
+    with pytest.raises(alarm.AlarmError, match="JSON object"):
+        alarm.loads("[1, 2]")
+
+
+def test_json_safe_keeps_finite_values():
+    assert alarm.json_safe({"a": [1.5, -math.inf], 3: None}) == {"a": [1.5, "-inf"], "3": None}
+
+
+def test_spool_write_is_atomic_and_listed(tmp_path):
+    record = _record()
+    path = spool.write_alarm(tmp_path / "spool", record)
+    assert path.name == "run1-1-weights-step7.alarm.json"
+    assert alarm.loads(path.read_text()) == json.loads(alarm.dumps(record))
+    # a half-written temporary file (a crash mid-write) is never listed
+    (tmp_path / "spool" / ".other.alarm.json.123.tmp").write_text("{")
+    assert spool.list_alarms(tmp_path / "spool") == [path]
+    assert not list((tmp_path / "spool").glob(".run1*"))  # no temporary file of ours is left
+
+
+def test_spool_refuses_an_invalid_record(tmp_path):
+    record = _record()
+    record["check"] = ""
+    with pytest.raises(alarm.AlarmError):
+        spool.write_alarm(tmp_path, record)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_alarm_module_needs_no_torch():
+    import subprocess
+    import sys
+    code = "import sys, sdcguard.alarm, sdcguard.spool, sdcguard.faults; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,135 @@
+"""The fingerprint against the SPEC §3 definition: hand-computed vectors, every dtype, odd shapes."""
+import pytest
+import torch
+
+from sdcguard.fingerprint import _COLUMNS, Fingerprint, digest, fingerprint, fingerprint_reference
+
+M = 1 << 64
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _reference(t: torch.Tensor) -> Fingerprint:
+    return fingerprint_reference(_bytes(t), t.element_size())
+
+
+# -- hand-computed vectors, one per width -------------------------------------------------------
+
+def test_one_byte_is_unsigned():
+    # int8 -1 is the byte 0xff = 255: s0 = 255 + 2 = 257, s1 = 255*1 + 2*2 = 259
+    assert fingerprint(torch.tensor([-1, 2], dtype=torch.int8)) == (257, 259)
+    assert fingerprint(torch.tensor([1, 2, 3], dtype=torch.uint8)) == (6, 14)
+    assert fingerprint(torch.tensor([True, False, True])) == (2, 4)
+
+
+def test_two_bytes_are_signed():
+    # float16 1.0 = 0x3c00 = 15360, -2.0 = 0xc000 = -16384 as int16
+    assert fingerprint(torch.tensor([1.0, -2.0], dtype=torch.float16)) == ((15360 - 16384) % M, (15360 - 2 * 16384) % M)
+    assert fingerprint(torch.tensor([-1, 2], dtype=torch.int16)) == (1, 3)
+
+
+def test_four_bytes():
+    # float32 1.0 = 0x3f800000, -0.0 = 0x80000000 = -2**31 as int32
+    one, neg_zero = 0x3F800000, -(2 ** 31)
+    assert fingerprint(torch.tensor([1.0, -0.0])) == ((one + neg_zero) % M, (one + 2 * neg_zero) % M)
+
+
+def test_eight_bytes_wrap_modulo_2_64():
+    big = 2 ** 63 - 1
+    assert fingerprint(torch.tensor([big, 1], dtype=torch.int64)) == (2 ** 63, (big + 2) % M)
+    assert fingerprint(torch.tensor([-1], dtype=torch.int64)) == (M - 1, M - 1)
+
+
+def test_swap_changes_s1_but_not_s0():
+    t = torch.tensor([1.5, -2.25, 3.0, 7.0])
+    swapped = t[[1, 0, 2, 3]]
+    a, b = fingerprint(t), fingerprint(swapped)
+    assert a.s0 == b.s0 and a.s1 != b.s1
+
+
+def test_any_changed_bit_changes_s0():
+    t = torch.randn(1000)
+    flipped = t.clone()
+    flipped.view(torch.int32)[517] ^= 1 << 3
+    assert fingerprint(t).s0 != fingerprint(flipped).s0
+
+
+# -- every dtype of 1, 2, 4 and 8 bytes ------------------------------------------------------------
+
+def _all_dtypes() -> list[torch.dtype]:
+    found = {getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
+    usable = []
+    for dt in sorted(found, key=str):
+        try:
+            probe = torch.zeros(8, dtype=torch.uint8).view(dt)
+        except (RuntimeError, TypeError):
+            continue
+        if probe.element_size() in (1, 2, 4, 8):
+            usable.append(dt)
+    return usable
+
+
+ALL_DTYPES = _all_dtypes()
+
+
+def test_dtype_list_covers_the_usual_suspects():
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8,
+               torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn):
+        assert dt in ALL_DTYPES
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_matches_the_reference(dtype):
+    gen = torch.Generator().manual_seed(7)
+    raw = torch.randint(0, 256, (8 * 1237,), dtype=torch.uint8, generator=gen)
+    if dtype == torch.bool:
+        raw = raw % 2  # only 0/1 are valid bools
+    t = raw.view(dtype)
+    assert fingerprint(t) == _reference(t)
+
+
+def test_unsupported_width_is_a_clear_error():
+    with pytest.raises(TypeError, match="1, 2, 4 and 8-byte"):
+        fingerprint(torch.zeros(3, dtype=torch.complex128))
+
+
+# -- chunking and layout --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [0, 1, _COLUMNS - 1, _COLUMNS, _COLUMNS + 1, 2 * _COLUMNS, 3 * _COLUMNS + 5,
+                               4 * _COLUMNS - 1, 4 * _COLUMNS, 4 * _COLUMNS + 1, 9 * _COLUMNS + 13])
+def test_chunk_boundaries(n):
+    t = torch.randn(n)
+    expected = _reference(t)
+    assert fingerprint(t) == expected
+    assert fingerprint(t, chunk_elements=_COLUMNS) == expected
+    assert fingerprint(t, chunk_elements=2 * _COLUMNS) == expected
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(300, 70).t(),                      # transposed
+    lambda: torch.randn(50, 90)[::3, 1::2],                 # strided slices
+    lambda: torch.randn(1, 70).expand(200, 70),            # stride 0
+    lambda: torch.randn(4, 5, 600).permute(2, 0, 1),       # permuted 3-D
+    lambda: torch.randn(3000, 3)[:, 1],                    # a column
+    lambda: torch.tensor(2.5),                             # zero-dim
+    lambda: torch.randn(40, 60, dtype=torch.bfloat16).t(),
+], ids=["transposed", "strided", "expanded", "permuted", "column", "scalar", "bf16-transposed"])
+def test_non_contiguous_input(make):
+    t = make()
+    expected = _reference(t)
+    assert fingerprint(t) == expected
+    assert fingerprint(t, chunk_elements=_COLUMNS) == expected  # slab-by-slab path
+
+
+def test_equal_results_for_equal_logical_content():
+    t = torch.randn(123, 77)
+    assert fingerprint(t.t().contiguous().t()) == fingerprint(t)
+
+
+def test_digest_depends_on_order_and_content():
+    a, b = Fingerprint(1, 2), Fingerprint(3, 4)
+    assert digest([a, b]) != digest([b, a])
+    assert digest([a, b]) == digest([Fingerprint(1, 2), Fingerprint(3, 4)])
+    assert len(digest([a])) == 16
