@@ -11,9 +11,16 @@ from .alarm import SCHEMA, AlarmError
 from .config import Config
 
 __version__ = "0.1.0"
-__all__ = ["Guard", "Config", "SDCDetected", "fingerprint", "SCHEMA", "AlarmError", "__version__"]
+__all__ = [
+    "Guard", "Config", "SDCDetected", "ConfigurationError", "fingerprint", "forward_seed", "replaying",
+    "load_checkpoint", "CheckpointError", "SCHEMA", "AlarmError", "__version__",
+]
 
-_LAZY = {"Guard": "guard", "SDCDetected": "errors", "fingerprint": "fingerprint"}
+_LAZY = {
+    "Guard": "guard", "SDCDetected": "errors", "ConfigurationError": "errors",
+    "fingerprint": "fingerprint", "forward_seed": "rng", "replaying": "replay",
+    "load_checkpoint": "checkpoint", "CheckpointError": "checkpoint",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -16,11 +16,9 @@ from typing import Any, Callable
 # No `from __future__ import annotations`: DDP checks comm-hook annotations at runtime.
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
 from .fingerprint import Fingerprint, fingerprint
 
-__all__ = ["GradientRecorder", "record_then_reduce"]
+__all__ = ["GradientRecorder", "record_then_reduce", "allreduce_mean"]
 
 ReduceHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
@@ -41,7 +39,7 @@ class GradientRecorder:
         inner_state: Any = None,
     ) -> None:
         # Settings.
-        self.inner_hook: ReduceHook = inner_hook or default_hooks.allreduce_hook
+        self.inner_hook: ReduceHook = inner_hook or allreduce_mean
         self.inner_state = inner_state if inner_hook else process_group
         self.param_index = {id(p): i for i, p in enumerate(parameters)}
         # Per-step records, keyed by bucket index: buckets may finish on another thread, and a
@@ -82,6 +80,19 @@ def record_then_reduce(
         return reduced
 
     return state.inner_hook(state.inner_state, bucket).then(record_reduced)
+
+
+def allreduce_mean(
+    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket exactly as DDP's built-in reducer does — multiply by 1/W, then sum —
+    so a run under sdcguard is bit-identical to the same run without it. (PyTorch's Python
+    ``allreduce_hook`` divides instead, which rounds differently.)"""
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    buffer.mul_(1.0 / dist.get_world_size(group))
+    fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
 
 
 def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:

@@ -187,7 +187,7 @@ def _print_summary(report: dict[str, Any]) -> None:
         amb = " (ambiguous)" if a["ambiguous"] else ""
         print(f"[drill] alarm    check {a['check']} at step {a['step']}: {who}{amb}")
     for row in report["injected"]:
-        fault = FaultSpec(**{k: row[k] for k in ("kind", "rank", "step", "magnitude", "every")})
+        fault = FaultSpec(**{k: row[k] for k in ("kind", "rank", "step", "magnitude", "every", "during")})
         print(f"[drill] verdict  {fault}: {row['outcome'].upper()} ({row['why']})")
     for alarm_id in report["unexplained_alarms"]:
         print(f"[drill] verdict  UNEXPLAINED alarm {alarm_id} (a false alarm, or a misjudged fault)")

@@ -45,6 +45,8 @@ def expectation(fault: FaultSpec, plan: Schedule) -> tuple[str | None, int | Non
     if check == CHECK_REPLAY:
         audited = [s for s in firings if plan.audits(s)]
         if not audited:
+            if fault.during == "replay":
+                return None, None, "a replay-side fault needs an audit step: nothing is replayed elsewhere"
             return None, None, "no audit step among the fault's steps: check 2 does not run there"
         return check, audited[0], "ring replay on an audit step"
     if check == CHECK_WEIGHTS:

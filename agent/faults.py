@@ -1,9 +1,12 @@
 """Fault specifications for the drill: the nine kinds, the check that must catch each, the grammar.
 
-    KIND:rank=R:step=S[:magnitude=X][:every=K]
+    KIND:rank=R:step=S[:magnitude=X][:every=K][:during=replay]
 
-``every=K`` makes a fault persistent (it fires on step S, S+K, S+2K, ...). The ``reduce-*`` kinds
-corrupt the all-reduce itself and hit every rank alike, so for them ``rank`` is optional.
+``every=K`` makes a fault persistent (it fires on step S, S+K, S+2K, ...) and strikes every
+computation of rank R on those steps, replays included. A transient fault strikes R's own pass;
+``during=replay`` makes a transient compute fault strike R's replay of another rank's batch
+instead (the culprit is then the replaying side). The ``reduce-*`` kinds corrupt the all-reduce
+itself and hit every rank alike, so for them ``rank`` is optional.
 Standard library only: specs are parsed and checked before any process starts.
 """
 from __future__ import annotations
@@ -49,6 +52,8 @@ class FaultSpec:
     step: int
     magnitude: float | None = None
     every: int | None = None
+    during: str = "own"
+    """Which computation a transient fault strikes: the rank's own pass, or its replay."""
 
     @property
     def info(self) -> FaultKind:
@@ -75,6 +80,8 @@ class FaultSpec:
             parts.append(f"magnitude={self.magnitude:g}")
         if self.every is not None:
             parts.append(f"every={self.every}")
+        if self.during != "own":
+            parts.append(f"during={self.during}")
         return ":".join(parts)
 
 
@@ -89,8 +96,8 @@ def parse_fault(text: str, world_size: int) -> FaultSpec:
         key, sep, value = pair.partition("=")
         if not sep or not value:
             raise FaultSpecError(f"malformed {pair!r} in {text!r}: expected key=value")
-        if key not in ("rank", "step", "magnitude", "every"):
-            raise FaultSpecError(f"unknown field {key!r} in {text!r}; fields: rank, step, magnitude, every")
+        if key not in ("rank", "step", "magnitude", "every", "during"):
+            raise FaultSpecError(f"unknown field {key!r} in {text!r}; fields: rank, step, magnitude, every, during")
         if key in fields:
             raise FaultSpecError(f"field {key!r} given twice in {text!r}")
         fields[key] = value
@@ -113,7 +120,12 @@ def parse_fault(text: str, world_size: int) -> FaultSpec:
             raise FaultSpecError(f"magnitude must be a number in {text!r}") from None
         if not math.isfinite(magnitude):
             raise FaultSpecError(f"magnitude must be finite in {text!r}")
-    return FaultSpec(kind, rank, step, magnitude, every)
+    during = fields.get("during", "own")
+    if during not in ("own", "replay"):
+        raise FaultSpecError(f"during must be 'own' or 'replay' in {text!r}")
+    if during == "replay" and (info.corrupts not in ("forward", "grad") or every is not None):
+        raise FaultSpecError(f"during=replay applies only to transient forward-* and grad-* faults, in {text!r}")
+    return FaultSpec(kind, rank, step, magnitude, every, during)
 
 
 def _int(fields: dict[str, str], key: str, text: str, *, minimum: int) -> int:

@@ -7,7 +7,7 @@
 ``train_step`` does forward + backward, checks 1a/1b, on audit steps check 3 and the ring replay
 (check 2), the optimizer step, then check 3 on weight-check steps. A check that fires raises
 :class:`~sdcguard.errors.SDCDetected` on every rank with the same alarm record, and the update of
-that step is not applied.
+that step is not applied. ``save_checkpoint`` writes only after check 3 passes.
 """
 from __future__ import annotations
 
@@ -20,11 +20,15 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from . import spool
-from .alarm import make_alarm
+from .alarm import CHECK_WEIGHTS, make_alarm
+from .audit import Replayer
 from .commhook import GradientRecorder, ReduceHook, record_then_reduce
 from .config import Config
+from .determinism import check_replayable, deterministic
 from .errors import SDCDetected
-from .nonfinite import gather_norms, judge_nonfinite
+from .fingerprint import Fingerprint, fingerprint
+from .nonfinite import gather_norms, judge_nonfinite, nonfinite_local_ranks
+from .replay import PassResult, Payload, replaying, snapshot_buffers
 from .rng import forward_seed, seeded
 from .topology import Topology, gather_topology
 from .verdict import Verdict
@@ -47,6 +51,7 @@ class Guard:
         loss_fn: LossFn,
         *,
         config: Config | None = None,
+        scaler: torch.amp.GradScaler | None = None,
         reduce_hook: ReduceHook | None = None,
         reduce_state: Any = None,
     ) -> None:
@@ -56,6 +61,7 @@ class Guard:
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
+        self.scaler = scaler
         self.config = config if config is not None else Config.from_env()
         self.group: dist.ProcessGroup | None = model.process_group
         self.device = _collective_device(self.group)
@@ -65,14 +71,29 @@ class Guard:
             [p for _, p in self.named_parameters], self.group, reduce_hook, reduce_state
         )
         model.register_comm_hook(self.recorder, record_then_reduce)
+        self.replayer = Replayer(
+            module=model.module, loss_fn=loss_fn,
+            params=[(i, p) for i, (_, p) in enumerate(self.named_parameters) if p.requires_grad],
+            names={i: n for i, (n, _) in enumerate(self.named_parameters)},
+            topology=self.topology, group=self.group, device=self.device, seed=self.config.seed,
+        )
+        if self.config.audit_every:
+            check_replayable(self.topology, next(model.parameters()).device)
+        if any(True for _ in model.module.buffers()):
+            model.module.register_forward_pre_hook(self._remember_buffers)
+        # What this step's own pass recorded for a replay to compare with.
+        self._recording = False
+        self._micro = 0
+        self._own_losses: list[Fingerprint] = []
+        self._seen_buffers: list[dict[str, torch.Tensor]] = []
         # Observed state.
         self.last_verified_step: int | None = None
         """Last step whose checks all passed."""
         self.last_weights_verified_step: int | None = None
         """Last step at which check 3 found every replica's weights identical."""
         self.last_weights_digest: str | None = None
-        self.last_good_checkpoint: str | None = None
-        """Newest checkpoint written after a passing check 3 (set by the checkpoint helper)."""
+        self.checkpoints: list[tuple[int, str]] = []
+        """(step, path) of each checkpoint written after a passing check 3, oldest first."""
         self.alarms_raised = 0
         if self.topology.rank == 0:
             log.info(
@@ -93,13 +114,17 @@ class Guard:
         audit = self.is_audit_step(step)
         self.optimizer.zero_grad(set_to_none=True)
         self.recorder.begin_step(audit)
-        loss = self._forward_backward(step, batches)
-        self._raise_if(step, self._nonfinite_verdict())
-        if audit:
-            self._raise_if(step, self.weights_verdict(step))
-        self.optimizer.step()
+        with deterministic(audit):
+            loss = self._forward_backward(step, batches, record=audit or self.scaler is not None)
+        payload = Payload(step, self.topology.rank, batches, self._seen_buffers)
+        overflow = self._check_nonfinite(step, payload)
+        if audit and not overflow:
+            self.check_weights(step)  # first, so a weight fault is not taken for a compute fault
+            with deterministic(True):
+                self._raise_if(step, self.replayer.audit(self._own_pass(), payload, self._scale))
+        self._apply_update()
         if self.is_weight_check_step(step):
-            self._raise_if(step, self.weights_verdict(step))
+            self.check_weights(step)
         self.last_verified_step = step
         return loss
 
@@ -114,24 +139,66 @@ class Guard:
         """Run check 3 now (every rank must call it); raise SDCDetected if a replica differs."""
         self._raise_if(step, self.weights_verdict(step))
 
+    def save_checkpoint(self, path: str, step: int, extra: dict[str, Any] | None = None) -> str:
+        """Check 3, then write ``path`` and its manifest (every rank calls; rank 0 writes)."""
+        from .checkpoint import save_checkpoint
+        return str(save_checkpoint(self, path, step, extra))
+
     # -- the checks ----------------------------------------------------------------------------
 
-    def _forward_backward(self, step: int, batches: Sequence[Any]) -> torch.Tensor:
-        """Accumulate gradients over the micro-batches; DDP reduces on the last one only."""
+    def _forward_backward(self, step: int, batches: Sequence[Any], record: bool) -> torch.Tensor:
+        """Accumulate gradients over the micro-batches; DDP reduces on the last one only.
+
+        With ``record``, keep what a replay compares with: each micro-batch's loss bits and the
+        buffers its forward saw (the gradients' fingerprints come from the comm hook)."""
+        self._recording, self._own_losses, self._seen_buffers = record, [], []
         total = torch.zeros((), device=self.device)
         for i, micro in enumerate(batches):
+            self._micro = i
             last = i == len(batches) - 1
             with contextlib.nullcontext() if last else self.model.no_sync():
                 seed = forward_seed(self.config.seed, step, self.topology.rank, i)
                 with seeded(seed, self.device):
                     loss = self.loss_fn(self.model, micro)
-                (loss / len(batches)).backward()
+                scaled = loss / len(batches)
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            if record:
+                self._own_losses.append(fingerprint(loss.detach()))
             total = total + loss.detach().to(self.device)
+        self._recording = False
         return total / len(batches)
 
-    def _nonfinite_verdict(self) -> Verdict | None:
-        """Checks 1a and 1b from one all-gather of two scalars per rank."""
-        return judge_nonfinite(gather_norms(self.recorder.norms(self.device), self.group))
+    def _remember_buffers(self, module: torch.nn.Module, args: Any) -> None:
+        """Forward pre-hook: the buffers this micro-batch's forward sees (after DDP's broadcast)."""
+        if self._recording and not replaying() and len(self._seen_buffers) == self._micro:
+            self._seen_buffers.append(snapshot_buffers(module))
+
+    def _own_pass(self) -> PassResult:
+        return PassResult(list(self._own_losses), dict(self.recorder.fingerprints))
+
+    def _check_nonfinite(self, step: int, payload: Payload) -> bool:
+        """Checks 1a and 1b from one all-gather of two scalars per rank.
+
+        Returns True when the step holds an honest GradScaler overflow (confirmed by replaying
+        the overflowing batches on other nodes): the scaler then skips the step as usual."""
+        norms = gather_norms(self.recorder.norms(self.device), self.group)
+        bad = nonfinite_local_ranks(norms)
+        if bad and self.scaler is not None:
+            self._raise_if(step, self.replayer.confirm_nonfinite(bad, payload, self._scale))
+            return True
+        self._raise_if(step, judge_nonfinite(norms))
+        return False
+
+    @property
+    def _scale(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        return self.scaler.scale if self.scaler is not None else None
+
+    def _apply_update(self) -> None:
+        if self.scaler is None:
+            self.optimizer.step()
+            return
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
 
     def weights_verdict(self, step: int) -> Verdict | None:
         """Check 3; on success remember the step and digest the weights were verified at."""
@@ -153,6 +220,7 @@ class Guard:
         self.alarms_raised += 1
         topo = self.topology
         reporter = topo.reporter(verdict.suspects)
+        window = self._suspect_window(step, verdict)
         record = make_alarm(
             alarm_id=f"{topo.run_id}-{self.alarms_raised}-{verdict.check}-step{step}",
             job=self.config.job,
@@ -164,8 +232,8 @@ class Guard:
             reporter_rank=reporter,
             evidence=verdict.evidence,
             last_verified_step=self.last_verified_step,
-            last_good_checkpoint=self.last_good_checkpoint,
-            suspect_window=self._suspect_window(step, verdict),
+            last_good_checkpoint=self._checkpoint_before(window["first_step"]),
+            suspect_window=window,
         )
         if topo.rank == reporter:
             log.error("sdcguard alarm: %s", SDCDetected(alarm=record))
@@ -175,10 +243,16 @@ class Guard:
 
     def _suspect_window(self, step: int, verdict: Verdict) -> dict[str, int]:
         """Steps whose results the fault may have touched: weights since their last check."""
-        if verdict.check == "weights":
+        if verdict.check == CHECK_WEIGHTS:
             first = 0 if self.last_weights_verified_step is None else self.last_weights_verified_step + 1
             return {"first_step": min(first, step), "last_step": step}
         return {"first_step": step, "last_step": step}
+
+
+    def _checkpoint_before(self, step: int) -> str | None:
+        """The newest verified checkpoint written before ``step``."""
+        older = [path for at, path in self.checkpoints if at < step]
+        return older[-1] if older else None
 
 
 def _as_micro_batches(batch: Any, micro_batches: Sequence[Any] | None) -> Sequence[Any]:

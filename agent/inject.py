@@ -5,9 +5,10 @@ taken: activations through a forward hook, local gradients through a tensor hook
 parameter (before DDP copies them into its buckets), the all-reduce through the inner reduce hook,
 the optimizer through a step post-hook, and stored weights between steps.
 
-A transient fault strikes the first matching computation of its step on its rank, once. A
-persistent one (``every=K``) strikes every matching computation of its steps — including that
-rank's replays of other ranks' batches, as a broken unit would.
+A transient fault strikes the first matching computation of its step on its rank, once: the
+rank's own pass, or with ``during=replay`` its replay of another rank's batch. A persistent one
+(``every=K``) strikes every matching computation of its steps — the rank's own pass and its
+replays alike, as a broken unit would.
 """
 
 # No `from __future__ import annotations`: DDP checks comm-hook annotations at runtime.
@@ -16,9 +17,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
+from .commhook import allreduce_mean
 from .faults import FaultSpec
+from .replay import replaying
 
 log = logging.getLogger("sdcguard.inject")
 
@@ -91,7 +92,7 @@ class FaultInjector:
 
     def reduce_hook(self, process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
                     ) -> torch.futures.Future[torch.Tensor]:
-        """The plain all-reduce, corrupted on the way out when a ``reduce-*`` fault is due."""
+        """DDP's average, corrupted on the way out when a ``reduce-*`` fault is due."""
         faults = self._due("reduce")
 
         def corrupt(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
@@ -100,7 +101,7 @@ class FaultInjector:
                 reduced[0] = float("nan") if fault.kind == "reduce-nan" else reduced[0] * fault.magnitude
             return reduced
 
-        return default_hooks.allreduce_hook(process_group, bucket).then(corrupt)
+        return allreduce_mean(process_group, bucket).then(corrupt)
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -113,7 +114,7 @@ class FaultInjector:
             if not fault.fires_at(self.step):
                 continue
             if not fault.persistent:
-                if (i, self.step) in self._struck:
+                if replaying() != (fault.during == "replay") or (i, self.step) in self._struck:
                     continue
                 self._struck.add((i, self.step))
             due.append(fault)

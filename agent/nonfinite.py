@@ -20,9 +20,13 @@ def gather_norms(norms: torch.Tensor, group: dist.ProcessGroup | None = None) ->
     return [(float(p[0]), float(p[1])) for p in parts]
 
 
+def nonfinite_local_ranks(norms: list[tuple[float, float]]) -> list[int]:
+    return [r for r, (local, _) in enumerate(norms) if not math.isfinite(local)]
+
+
 def judge_nonfinite(norms: list[tuple[float, float]]) -> Verdict | None:
     """Check 1a first (it can name ranks), then 1b (a fault inside the all-reduce names none)."""
-    local_bad = [r for r, (local, _) in enumerate(norms) if not math.isfinite(local)]
+    local_bad = nonfinite_local_ranks(norms)
     if local_bad:
         return Verdict(
             CHECK_NONFINITE_LOCAL,

@@ -5,6 +5,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .config import Config
@@ -21,17 +22,30 @@ class Topology:
     """rank -> ``{rank, pod, node}`` as each rank read it from its own environment."""
     run_id: str
     """Chosen by rank 0 at start-up; makes alarm ids unique per run and equal on every rank."""
+    threads: dict[int, int]
+    """rank -> torch intra-op thread count (replay is bit-exact on CPU only when they agree)."""
 
     @property
     def nodes(self) -> int:
         return self.world_size // self.ranks_per_node
 
-    def node_of(self, rank: int) -> int:
-        return rank // self.ranks_per_node
+    @property
+    def ring_offset(self) -> int:
+        """How far the replay ring reaches: the next node; on a single node, the next GPU."""
+        return self.ranks_per_node if self.nodes >= 2 else 1
+
+    @property
+    def units(self) -> int:
+        """Independent failure units the ring spans (nodes, or GPUs of a single node)."""
+        return self.nodes if self.nodes >= 2 else self.world_size
 
     def replay_target(self, rank: int) -> int:
         """The rank whose batch ``rank`` replays: same local index, next node (SPEC §3)."""
-        return (rank + self.ranks_per_node) % self.world_size
+        return (rank + self.ring_offset) % self.world_size
+
+    def replayer_of(self, rank: int) -> int:
+        """The rank that replays ``rank``'s batch."""
+        return (rank - self.ring_offset) % self.world_size
 
     def reporter(self, suspects: list[int]) -> int:
         """The rank that writes the alarm: the lowest one not under suspicion."""
@@ -48,8 +62,10 @@ def gather_topology(config: Config, group: dist.ProcessGroup | None = None) -> T
             f"world size {world} is not a multiple of ranks_per_node {per_node} "
             "(set SDCGUARD_RANKS_PER_NODE or LOCAL_WORLD_SIZE)"
         )
-    mine = {"rank": rank, "pod": config.pod, "node": config.node, "run_id": uuid.uuid4().hex[:12]}
+    mine = {"rank": rank, "pod": config.pod, "node": config.node, "run_id": uuid.uuid4().hex[:12],
+            "threads": torch.get_num_threads()}
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
     identities = {e["rank"]: {"rank": e["rank"], "pod": e["pod"], "node": e["node"]} for e in everyone}
-    return Topology(rank, world, per_node, identities, run_id=everyone[0]["run_id"])
+    threads = {e["rank"]: e["threads"] for e in everyone}
+    return Topology(rank, world, per_node, identities, run_id=everyone[0]["run_id"], threads=threads)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .alarm import CHECK_WEIGHTS
+from .exchange import gather_digests, gather_objects
 from .fingerprint import Fingerprint, digest, fingerprint
 from .verdict import Verdict
 
@@ -45,11 +46,10 @@ def compare_weights(
 
     Returns the verdict (None when all agree) and the digests indexed by rank.
     """
-    digests = _gather_digests(mine.digest, device, group)
+    digests = [d for [d] in gather_digests([mine.digest], device, group)]
     if len(set(digests)) == 1:
         return None, digests
-    everyone: list[Any] = [None] * len(digests)
-    dist.all_gather_object(everyone, mine.fingerprints, group=group)
+    everyone = gather_objects(mine.fingerprints, group)
     return judge_weights(digests, everyone, mine.names), digests
 
 
@@ -75,16 +75,6 @@ def judge_weights(
             r: _differing(names, fingerprints[r], reference) for r in suspects
         }
     return Verdict(CHECK_WEIGHTS, suspects=suspects, ambiguous=majority is None, evidence=evidence)
-
-
-def _gather_digests(mine: bytes, device: torch.device, group: dist.ProcessGroup | None) -> list[bytes]:
-    words = torch.tensor(
-        [int.from_bytes(mine[i:i + 8], "little", signed=True) for i in (0, 8)],
-        dtype=torch.int64, device=device,
-    )
-    parts = [torch.empty_like(words) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, words, group=group)
-    return [b"".join(int(w).to_bytes(8, "little", signed=True) for w in p.tolist()) for p in parts]
 
 
 def _differing(names: list[str], theirs: list[Fingerprint], reference: list[Fingerprint]) -> dict[str, Any]:

@@ -115,3 +115,58 @@ def test_stop_mode_stops_every_rank_at_the_alarm(tmp_path_factory):
     assert (alarm["check"], alarm["step"], alarm["suspect_ranks"]) == ("weights", 6, [4])
     assert alarm["last_verified_step"] == 5
     assert [r["outcome"] for r in report["injected"]] == ["caught", "not-reached"]
+
+
+@pytest.fixture(scope="module")
+def replay_faults(tmp_path_factory):
+    return drill(
+        tmp_path_factory, "replay", "--steps", "20", "--audit-every", "4", "--weight-check-every", "2",
+        "--on-alarm", "resume", "--micro-batches", "2",
+        "--inject", "grad-bitflip:rank=3:step=4",                    # transient, in the owner's pass
+        "--inject", "forward-scale:rank=0:step=8",                   # transient, rank 0
+        "--inject", "forward-scale:rank=2:step=12:during=replay",    # the culprit is the replayer
+        "--inject", "grad-bitflip:rank=5:step=14:every=2",           # persistent: 14, 16, ...
+        "--inject", "forward-scale:rank=1:step=17",                  # not an audit step: an escape
+    )
+
+
+def test_replay_catches_finite_corruption_and_names_the_culprit(replay_faults):
+    proc, report, _ = replay_faults
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert report["passed"] and report["unexplained_alarms"] == []
+    assert [r["outcome"] for r in report["injected"]] == ["caught"] * 4 + ["escaped"]
+    alarms = sorted(report["alarms"], key=lambda a: a["step"])
+    got = [(a["check"], a["step"], a["suspect_ranks"], a["ambiguous"]) for a in alarms]
+    assert got == [("replay", 4, [3], False), ("replay", 8, [0], False),
+                   ("replay", 12, [2], False), ("replay", 16, [5], False)]
+    assert alarms[0]["suspects"] == [{"rank": 3, "pod": None, "node": "drill-node-1"}]
+
+
+def test_replay_evidence_and_attribution_paths(replay_faults):
+    _, report, _ = replay_faults
+    by_step = {a["step"]: a["evidence"] for a in report["alarms"]}
+    # transient in the owner's pass: the tie-break replayer agrees with the ring replayer
+    assert by_step[4]["tiebreaks"] == [{"replayer": 1, "owner": 3, "third": 5, "agrees_with": "replayer"}]
+    assert by_step[4]["pairs"][0]["differing_parameters"] == {"count": 1, "names": ["hidden.weight"]}
+    # transient in the replay: the third opinion agrees with the owner
+    assert by_step[12]["tiebreaks"][0]["agrees_with"] == "owner"
+    # persistent: two mismatching pairs share the culprit, no tie-break needed
+    assert {(p["replayer"], p["owner"]) for p in by_step[16]["pairs"]} == {(3, 5), (5, 1)}
+    assert by_step[16]["tiebreaks"] == []
+    assert by_step[8]["pairs"][0]["loss_bits_owner"] != by_step[8]["pairs"][0]["loss_bits_replay"]
+
+
+def test_two_nodes_detect_but_cannot_attribute(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two-nodes")
+    proc = subprocess.run(
+        [sys.executable, "-m", "sdcguard.cli", "drill", "--nodes", "2", "--ranks-per-node", "2",
+         "--steps", "6", "--audit-every", "3", "--inject", "grad-bitflip:rank=1:step=3",
+         "--report", str(out / "report.json")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    [alarm] = report["alarms"]
+    assert (alarm["check"], alarm["step"], alarm["ambiguous"]) == ("replay", 3, True)
+    assert alarm["suspect_ranks"] == [1, 3]
+    assert report["injected"][0]["outcome"] == "caught-ambiguous"

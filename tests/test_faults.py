@@ -18,6 +18,7 @@ def test_optional_fields():
     assert parse_fault("reduce-nan:step=2", 6).rank is None
     assert parse_fault("grad-bitflip:step=2:rank=5", 6).rank == 5  # field order is free
     assert str(spec) == "forward-scale:rank=0:step=5:magnitude=1000:every=4"
+    assert parse_fault("grad-bitflip:rank=1:step=2:during=replay", 6).during == "replay"
 
 
 @pytest.mark.parametrize("text, message", [
@@ -33,6 +34,9 @@ def test_optional_fields():
     ("grad-inf:rank=1:step=2:step=3", "given twice"),
     ("grad-inf:rank=1:step=2:magnitude=3", "only to the \\*-scale kinds"),
     ("forward-scale:rank=1:step=2:magnitude=inf", "finite"),
+    ("forward-scale:rank=1:step=2:during=later", "during must be"),
+    ("weight-bitflip:rank=1:step=2:during=replay", "applies only to transient"),
+    ("grad-bitflip:rank=1:step=2:every=3:during=replay", "applies only to transient"),
 ])
 def test_malformed_specs(text, message):
     with pytest.raises(FaultSpecError, match=message):

@@ -1,0 +1,52 @@
+"""Bit-reproducible local computation, switched on only where a replay needs it.
+
+Deterministic kernels cost speed, so they are enabled for an audited step's original pass and its
+replays, and restored to the user's setting afterwards. What cannot be switched per step — equal
+CPU thread counts, cuBLAS workspace configuration — is checked once at start-up.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+
+from .errors import ConfigurationError
+from .topology import Topology
+
+_CUBLAS_OK = (":4096:8", ":16:8")
+
+
+def check_replayable(topology: Topology, device: torch.device) -> None:
+    """Raise ConfigurationError, saying what to set, when replays could not be bit-exact."""
+    counts = set(topology.threads.values())
+    if len(counts) > 1:
+        raise ConfigurationError(
+            f"ranks run different torch thread counts {sorted(counts)}; replay (check 2) needs the "
+            "same count on every rank: call torch.set_num_threads(n) (and set OMP_NUM_THREADS=n) "
+            "identically everywhere, or set SDCGUARD_AUDIT_EVERY=0"
+        )
+    if device.type == "cuda" and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in _CUBLAS_OK:
+        raise ConfigurationError(
+            "replay (check 2) on CUDA needs deterministic cuBLAS: set CUBLAS_WORKSPACE_CONFIG=:4096:8 "
+            "in the training container's environment before the process starts"
+        )
+
+
+@contextlib.contextmanager
+def deterministic(enabled: bool) -> Iterator[None]:
+    """Use deterministic algorithms inside the block when ``enabled``; restore the user's setting."""
+    if not enabled:
+        yield
+        return
+    was = torch.are_deterministic_algorithms_enabled()
+    was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=was_warn)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn

@@ -1,0 +1,93 @@
+"""Small collectives the checks share: fixed-size digests for everyone, objects for a few.
+
+A check first exchanges digests of fixed size (16 bytes per rank), whatever the model size; only
+when digests disagree are details fetched, and only from the ranks involved.
+"""
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DIGEST_BYTES = 16
+
+
+def gather_digests(digests: list[bytes], device: torch.device, group: dist.ProcessGroup | None) -> list[list[bytes]]:
+    """All-gather a fixed number of 16-byte digests per rank: result[rank][k]."""
+    words = [int.from_bytes(d[i:i + 8], "little", signed=True) for d in digests for i in (0, 8)]
+    mine = torch.tensor(words, dtype=torch.int64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    out = []
+    for part in parts:
+        raw = b"".join(int(w).to_bytes(8, "little", signed=True) for w in part.tolist())
+        out.append([raw[k:k + DIGEST_BYTES] for k in range(0, len(raw), DIGEST_BYTES)])
+    return out
+
+
+def gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """All-gather picklable objects; used only on a mismatch, for details (others send None)."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def ring_exchange(payload: Any, send_to: int | None, recv_from: int | None, device: torch.device,
+                  group: dist.ProcessGroup | None) -> Any:
+    """Send ``payload`` to one rank and receive one from another, without deadlock.
+
+    Sizes go first, then bytes; every transfer is posted non-blocking before any wait. Either
+    side may be None (this rank only sends, or only receives). Ranks are group ranks.
+    """
+    blob = _to_bytes(payload) if send_to is not None else None
+    size_out = torch.tensor([blob.numel() if blob is not None else 0], dtype=torch.int64, device=device)
+    size_in = torch.zeros(1, dtype=torch.int64, device=device)
+    _wait(_post(size_out, send_to, size_in, recv_from, group))
+    buffer = torch.empty(int(size_in.item()), dtype=torch.uint8, device=device) if recv_from is not None else None
+    _wait(_post(blob.to(device) if blob is not None else None, send_to, buffer, recv_from, group))
+    return _from_bytes(buffer, device) if buffer is not None else None
+
+
+def broadcast_digest(digest: bytes | None, src: int, device: torch.device, group: dist.ProcessGroup | None) -> bytes:
+    """Rank ``src`` tells everyone one 16-byte digest."""
+    words = torch.zeros(2, dtype=torch.int64, device=device)
+    if digest is not None:
+        words = torch.tensor([int.from_bytes(digest[i:i + 8], "little", signed=True) for i in (0, 8)],
+                             dtype=torch.int64, device=device)
+    dist.broadcast(words, src=_global(group, src), group=group)
+    return b"".join(int(w).to_bytes(8, "little", signed=True) for w in words.tolist())
+
+
+def _post(send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None, src: int | None,
+          group: dist.ProcessGroup | None) -> list[Any]:
+    works = []
+    if recv is not None and src is not None:
+        works.append(dist.irecv(recv, src=_global(group, src), group=group))
+    if send is not None and dst is not None:
+        works.append(dist.isend(send, dst=_global(group, dst), group=group))
+    return works
+
+
+def _wait(works: list[Any]) -> None:
+    for work in works:
+        work.wait()
+
+
+def _global(group: dist.ProcessGroup | None, rank: int) -> int:
+    return rank if group is None or group == dist.group.WORLD else dist.get_global_rank(group, rank)
+
+
+def _to_bytes(payload: Any) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _from_bytes(blob: torch.Tensor, device: torch.device) -> Any:
+    """Unpickle; tensors that lived on a GPU of the sender land on this rank's GPU."""
+    def remap(storage: Any, location: str) -> Any:
+        return storage.to(device) if location.startswith("cuda") and device.type == "cuda" else storage
+    # weights_only=False: the payload is a training batch from a peer rank of the same job.
+    return torch.load(io.BytesIO(blob.cpu().numpy().tobytes()), map_location=remap, weights_only=False)

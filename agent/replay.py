@@ -1,0 +1,122 @@
+"""Recomputing a rank's local batch on another replica, leaving no trace behind.
+
+A replay runs the same forward (same micro-batches, same per-(step, rank) RNG seed, the buffer
+values the original forward saw) and the same backward with ``torch.autograd.grad`` on the bare
+module, accumulating micro-batch gradients in the original order. It never writes parameters,
+``.grad``, the caller's RNG streams or the optimizer, and puts the module's buffers back.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from .fingerprint import Fingerprint, fingerprint
+from .rng import forward_seed, seeded
+
+_state = {"replaying": False}
+
+
+def replaying() -> bool:
+    """True while sdcguard replays another rank's batch (e.g. to keep metrics out of a loss_fn)."""
+    return _state["replaying"]
+
+
+@contextlib.contextmanager
+def _replay_mode() -> Iterator[None]:
+    # A plain flag rather than a ContextVar: autograd may run hooks on its own threads.
+    previous, _state["replaying"] = _state["replaying"], True
+    try:
+        yield
+    finally:
+        _state["replaying"] = previous
+
+
+@dataclass(slots=True)
+class Payload:
+    """What a rank sends so another can redo its step: batches and the buffers each forward saw."""
+
+    step: int
+    owner: int
+    micro_batches: Sequence[Any]
+    buffers: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PassResult:
+    """The bits of one pass worth comparing: per-micro-batch losses and local gradients."""
+
+    loss_fps: list[Fingerprint]
+    grad_fps: dict[int, Fingerprint]
+    grad_sq_norm: float = 0.0
+
+    def digest(self) -> bytes:
+        h = hashlib.blake2b(digest_size=16)
+        for fp in self.loss_fps:
+            h.update(b"L" + fp.s0.to_bytes(8, "little") + fp.s1.to_bytes(8, "little"))
+        for index in sorted(self.grad_fps):
+            fp = self.grad_fps[index]
+            h.update(index.to_bytes(4, "little") + fp.s0.to_bytes(8, "little") + fp.s1.to_bytes(8, "little"))
+        return h.digest()
+
+
+def replay(
+    module: torch.nn.Module,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    params: list[tuple[int, torch.nn.Parameter]],
+    payload: Payload,
+    *,
+    seed: int,
+    device: torch.device,
+    scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> PassResult:
+    """Recompute ``payload``'s local step on ``module``; ``params`` are (index, parameter)."""
+    saved = snapshot_buffers(module)
+    grads: dict[int, torch.Tensor] = {}
+    losses: list[Fingerprint] = []
+    count = len(payload.micro_batches)
+    try:
+        with _replay_mode():
+            for i, micro in enumerate(payload.micro_batches):
+                if payload.buffers:
+                    load_buffers(module, payload.buffers[i])
+                with seeded(forward_seed(seed, payload.step, payload.owner, i), device):
+                    loss = loss_fn(module, micro)
+                scaled = loss / count
+                if scale is not None:
+                    scaled = scale(scaled)
+                parts = torch.autograd.grad(scaled, [p for _, p in params], allow_unused=True)
+                for (index, _), part in zip(params, parts):
+                    if part is not None:  # accumulate as AccumulateGrad does: g0, then g0 + g1, ...
+                        grads[index] = part if index not in grads else grads[index] + part
+                losses.append(fingerprint(loss.detach()))
+    finally:
+        load_buffers(module, saved)
+    return _result(params, grads, losses)
+
+
+def snapshot_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: buf.detach().clone() for name, buf in module.named_buffers()}
+
+
+def load_buffers(module: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, buf in module.named_buffers():
+            if name in values:
+                buf.copy_(values[name])
+
+
+def _result(params: list[tuple[int, torch.nn.Parameter]], grads: dict[int, torch.Tensor],
+            losses: list[Fingerprint]) -> PassResult:
+    fps: dict[int, Fingerprint] = {}
+    sq = 0.0
+    for index, param in params:
+        # A parameter the batch did not reach has a zero gradient in DDP's bucket too.
+        grad = grads.get(index)
+        grad = torch.zeros_like(param) if grad is None else grad
+        fps[index] = fingerprint(grad)
+        sq += float(torch.linalg.vector_norm(grad, 2, dtype=torch.float64).square())
+    return PassResult(losses, fps, sq)

@@ -1,0 +1,170 @@
+"""One rank of the library test, launched by tests/test_library.py under torchrun (3 ranks, gloo).
+
+Three scenarios share one launch, each writing what it saw to OUT/<scenario>-rank<r>.json:
+  clean      plain DDP vs the same run under sdcguard (audit and weight check on every step,
+             dropout, BatchNorm, 2 micro-batches), then a checkpoint saved and reloaded;
+  scaler     GradScaler: an overflow that reproduces (no alarm, step skipped), then an injected
+             grad-inf (alarm naming the rank), then a refused checkpoint;
+  threads    unequal thread counts with audits on: a clear ConfigurationError at start-up.
+"""
+import contextlib
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import sdcguard
+from sdcguard.checkpoint import CheckpointError, load_checkpoint
+from sdcguard.config import Config
+from sdcguard.faults import parse_fault
+from sdcguard.fingerprint import digest, fingerprint
+from sdcguard.inject import FaultInjector
+from sdcguard.rng import forward_seed, seeded
+
+STEPS, MICRO = 6, 2
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(0.2)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.out(self.drop(F.relu(self.bn(self.inp(x)))))
+
+
+def classify(module, batch):
+    x, y = batch
+    return F.cross_entropy(module(x), y)
+
+
+def regress(module, batch):
+    x, y = batch
+    return F.mse_loss(module(x).sum(dim=1), y)
+
+
+def batch(step, rank, micro, n=12):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    x = torch.randn(n, 8, generator=g)
+    return x, (x[:, :3] * torch.tensor([1.0, -1.0, 0.5])).argmax(dim=1)
+
+
+def state_digest(model, optimizer):
+    """Bitwise summary of parameters, buffers, .grad and optimizer state."""
+    tensors = [t for t in model.parameters()] + [b for b in model.buffers()]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    for st in optimizer.state.values():
+        tensors += [v for v in st.values() if torch.is_tensor(v)]
+    return digest(fingerprint(t) for t in tensors).hex()
+
+
+def fresh(seed=0):
+    torch.manual_seed(seed)
+    model = Net()
+    ddp = DistributedDataParallel(model)
+    return model, ddp, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def plain_run(rank):
+    """The reference: DDP without sdcguard, dropout seeded per (step, rank) the same way."""
+    model, ddp, opt = fresh()
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        for i in range(MICRO):
+            with ddp.no_sync() if i < MICRO - 1 else contextlib.nullcontext():
+                with seeded(forward_seed(0, step, rank, i), torch.device("cpu")):
+                    loss = classify(ddp, batch(step, rank, i))
+                (loss / MICRO).backward()
+        opt.step()
+    return state_digest(model, opt)
+
+
+def clean(rank, out):
+    reference = plain_run(rank)
+    model, ddp, opt = fresh()
+    guard = sdcguard.Guard(ddp, opt, classify, config=Config(audit_every=1, weight_check_every=1))
+    rng_before = torch.get_rng_state()
+    for step in range(STEPS):
+        guard.train_step(step, micro_batches=[batch(step, rank, i) for i in range(MICRO)])
+    rng_after = torch.get_rng_state()
+    guarded = state_digest(model, opt)
+    path = guard.save_checkpoint(os.path.join(out, "ckpt.pt"), STEPS - 1)
+    reloaded = Net()
+    state = load_checkpoint(path, reloaded)
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), reloaded.parameters()))
+    return {
+        "reference": reference, "guarded": guarded, "alarms": guard.alarms_raised,
+        "rng_untouched": torch.equal(rng_before, rng_after),
+        "checkpoint": path, "checkpoint_step": state["step"], "reloaded_equal": same,
+        "checkpoints": guard.checkpoints,
+    }
+
+
+def scaler(rank, out):
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    grad_scaler = torch.amp.GradScaler("cpu")
+    injector = FaultInjector([parse_fault("grad-inf:rank=2:step=3", 3)], rank)
+    injector.install(model.inp, model.out.weight, opt)
+    guard = sdcguard.Guard(ddp, opt, regress, scaler=grad_scaler,
+                           config=Config(audit_every=2, weight_check_every=1, ranks_per_node=1))
+    seen = {"steps": {}}
+    for step in range(5):
+        injector.begin_step(step)
+        x, _ = batch(step, rank, 0)
+        y = x.sum(dim=1)
+        if step == 1 and rank == 1:
+            y = y * 1e36  # an honest overflow: this batch overflows wherever it is computed
+        before = [p.detach().clone() for p in model.parameters()]
+        scale = grad_scaler.get_scale()
+        try:
+            guard.train_step(step, (x, y))
+        except sdcguard.SDCDetected as exc:
+            seen["alarm"] = exc.alarm
+            break
+        changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        seen["steps"][step] = {"applied": changed, "scale_before": scale, "scale_after": grad_scaler.get_scale()}
+    try:
+        guard.save_checkpoint(os.path.join(out, "after-alarm.pt"), 3)
+        seen["refused"] = None
+    except CheckpointError as exc:
+        seen["refused"] = str(exc)
+    return seen
+
+
+def threads(rank, out):
+    torch.set_num_threads(1 + (rank == 2))
+    model, ddp, opt = fresh()
+    try:
+        sdcguard.Guard(ddp, opt, classify, config=Config(audit_every=10))
+        return {"error": None}
+    except sdcguard.ConfigurationError as exc:
+        return {"error": str(exc)}
+    finally:
+        torch.set_num_threads(1)
+
+
+def main(out):
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    for name, scenario in (("clean", clean), ("scaler", scaler), ("threads", threads)):
+        result = scenario(rank, out)
+        with open(os.path.join(out, f"{name}-rank{rank}.json"), "w") as fh:
+            json.dump(result, fh, default=str)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

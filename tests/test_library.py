@@ -1,0 +1,113 @@
+"""The library under torchrun (3 gloo ranks): a run under sdcguard is bit-identical to the same run
+without it, GradScaler overflows are told from SDC, checkpoints are verified. See library_worker."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sdcguard.checkpoint import CheckpointError, load_checkpoint, manifest_path
+
+pytestmark = pytest.mark.multiprocess
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("library")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+         str(HERE / "library_worker.py"), str(out)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    def result(name):
+        return [json.loads((out / f"{name}-rank{r}.json").read_text()) for r in range(3)]
+    return out, result
+
+
+def test_audited_run_is_bitwise_the_run_without_sdcguard(run):
+    # audit + weight check on every step, dropout, BatchNorm, 2 micro-batches: parameters,
+    # buffers, .grad and optimizer state all equal the plain-DDP run bit for bit
+    _, result = run
+    for r in result("clean"):
+        assert r["alarms"] == 0
+        assert r["guarded"] == r["reference"]
+        assert r["rng_untouched"]
+
+
+def test_checkpoint_round_trip_records_step_and_digest(run):
+    out, result = run
+    r = result("clean")[0]
+    assert r["checkpoint_step"] == 5 and r["reloaded_equal"]
+    assert r["checkpoints"] == [[5, str(out / "ckpt.pt")]]
+    manifest = json.loads(manifest_path(out / "ckpt.pt").read_text())
+    assert manifest["verified"] is True and manifest["step"] == 5 and len(manifest["weight_digest"]) == 32
+
+
+def test_honest_overflow_is_skipped_without_alarm(run):
+    _, result = run
+    for r in result("scaler"):
+        steps = r["steps"]
+        assert steps["1"]["applied"] is False                     # the scaler skipped the step
+        assert steps["1"]["scale_after"] == steps["1"]["scale_before"] / 2
+        assert steps["0"]["applied"] and steps["2"]["applied"]    # ...and training went on
+
+
+def test_injected_inf_under_a_scaler_names_the_rank(run):
+    _, result = run
+    for r in result("scaler"):
+        alarm = r["alarm"]
+        assert (alarm["check"], alarm["step"], alarm["suspect_ranks"]) == ("nonfinite-local", 3, [2])
+        assert alarm["evidence"]["confirmation"]["2"]["reproduced"] is False
+        assert "refusing to write" in r["refused"]                # no checkpoint after an alarm
+
+
+def test_unequal_thread_counts_are_refused_at_start(run):
+    _, result = run
+    for r in result("threads"):
+        assert "same count on every rank" in r["error"]
+
+
+def _copy(run, tmp_path):
+    out, _ = run
+    for name in ("ckpt.pt", "ckpt.pt.sdcguard.json"):
+        shutil.copy(out / name, tmp_path / name)
+    return tmp_path / "ckpt.pt"
+
+
+def test_tampered_checkpoint_is_refused(run, tmp_path):
+    import library_worker  # noqa: E402  (tests/ is on sys.path under pytest)
+    path = _copy(run, tmp_path)
+    state = torch.load(path, weights_only=False)
+    state["model"]["out.weight"][0, 0] += 1e-3
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match="modified after it was verified"):
+        load_checkpoint(path, library_worker.Net())
+
+
+def test_checkpoint_whose_weights_disagree_with_the_manifest_is_refused(run, tmp_path):
+    import library_worker
+    path = _copy(run, tmp_path)
+    manifest = json.loads(manifest_path(path).read_text())
+    state = torch.load(path, weights_only=False)
+    state["model"]["inp.bias"][0] += 1.0
+    torch.save(state, path)
+    manifest["sha256"] = __import__("hashlib").sha256(path.read_bytes()).hexdigest()  # a forged manifest
+    manifest_path(path).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="loaded weights have digest"):
+        load_checkpoint(path, library_worker.Net())
+
+
+def test_checkpoint_without_manifest_is_refused(run, tmp_path):
+    import library_worker
+    path = _copy(run, tmp_path)
+    manifest_path(path).unlink()
+    with pytest.raises(CheckpointError, match="has no manifest"):
+        load_checkpoint(path, library_worker.Net())
