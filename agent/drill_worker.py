@@ -88,6 +88,7 @@ def train(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
         if rank == 0 and (step % cfg["print_every"] == 0 or step == cfg["steps"] - 1):
             print(f"[drill] step {step:4d}  loss {float(loss):.4f}", flush=True)
         step += 1
+    guard.flush_stats()
     return {
         "rank": rank,
         "fired": injector.fired,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -30,6 +31,7 @@ from .fingerprint import Fingerprint, fingerprint
 from .nonfinite import gather_norms, judge_nonfinite, nonfinite_local_ranks
 from .replay import PassResult, Payload, replaying, snapshot_buffers
 from .rng import forward_seed, seeded
+from .stats import CheckStats
 from .topology import Topology, gather_topology
 from .verdict import Verdict
 from .weights import compare_weights, fingerprint_weights
@@ -95,6 +97,7 @@ class Guard:
         self.checkpoints: list[tuple[int, str]] = []
         """(step, path) of each checkpoint written after a passing check 3, oldest first."""
         self.alarms_raised = 0
+        self.stats = CheckStats(self.topology.identities[self.topology.rank], self.config.job)
         if self.topology.rank == 0:
             log.info(
                 "sdcguard: %d ranks, %d per node, audit every %s, weight check every %s, spool %s",
@@ -117,15 +120,21 @@ class Guard:
         with deterministic(audit):
             loss = self._forward_backward(step, batches, record=audit or self.scaler is not None)
         payload = Payload(step, self.topology.rank, batches, self._seen_buffers)
+        self.stats.last_step = step
         overflow = self._check_nonfinite(step, payload)
         if audit and not overflow:
             self.check_weights(step)  # first, so a weight fault is not taken for a compute fault
+            started = time.perf_counter()
             with deterministic(True):
-                self._raise_if(step, self.replayer.audit(self._own_pass(), payload, self._scale))
+                verdict = self.replayer.audit(self._own_pass(), payload, self._scale)
+            self.stats.timed("replay", started)
+            self._raise_if(step, verdict)
         self._apply_update()
         if self.is_weight_check_step(step):
             self.check_weights(step)
-        self.last_verified_step = step
+        self.last_verified_step = self.stats.last_verified_step = step
+        self.stats.steps += 1
+        self.stats.flush(self.config.spool)
         return loss
 
     def is_audit_step(self, step: int) -> bool:
@@ -138,6 +147,10 @@ class Guard:
     def check_weights(self, step: int) -> None:
         """Run check 3 now (every rank must call it); raise SDCDetected if a replica differs."""
         self._raise_if(step, self.weights_verdict(step))
+
+    def flush_stats(self) -> None:
+        """Write this rank's check statistics to the spool now (e.g. at the end of training)."""
+        self.stats.flush(self.config.spool, force=True)
 
     def save_checkpoint(self, path: str, step: int, extra: dict[str, Any] | None = None) -> str:
         """Check 3, then write ``path`` and its manifest (every rank calls; rank 0 writes)."""
@@ -181,7 +194,9 @@ class Guard:
 
         Returns True when the step holds an honest GradScaler overflow (confirmed by replaying
         the overflowing batches on other nodes): the scaler then skips the step as usual."""
+        started = time.perf_counter()
         norms = gather_norms(self.recorder.norms(self.device), self.group)
+        self.stats.timed("nonfinite", started)
         bad = nonfinite_local_ranks(norms)
         if bad and self.scaler is not None:
             self._raise_if(step, self.replayer.confirm_nonfinite(bad, payload, self._scale))
@@ -202,8 +217,10 @@ class Guard:
 
     def weights_verdict(self, step: int) -> Verdict | None:
         """Check 3; on success remember the step and digest the weights were verified at."""
+        started = time.perf_counter()
         mine = fingerprint_weights(self.named_parameters)
         verdict, digests = compare_weights(mine, self.device, self.group)
+        self.stats.timed("weights", started)
         if verdict is None:
             self.last_weights_verified_step = step
             self.last_weights_digest = digests[0].hex()
@@ -239,6 +256,8 @@ class Guard:
             log.error("sdcguard alarm: %s", SDCDetected(alarm=record))
             if self.config.spool:
                 spool.write_alarm(self.config.spool, record)
+        self.stats.alarms += 1
+        self.stats.flush(self.config.spool, force=True)
         return record
 
     def _suspect_window(self, step: int, verdict: Verdict) -> dict[str, int]:

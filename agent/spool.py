@@ -28,16 +28,19 @@ def write_alarm(spool: str | os.PathLike[str], record: Mapping[str, Any]) -> Pat
     return write_json_atomic(alarm_path(spool, record["id"]), _alarm.dumps(record))
 
 
-def write_json_atomic(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` so a reader sees either nothing or the whole file."""
+def write_json_atomic(path: Path, text: str, durable: bool = True) -> Path:
+    """Write ``text`` to ``path`` so a reader sees either nothing or the whole file; with
+    ``durable`` also survive a crash of the machine (fsync of the file and the directory)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
+        if durable:
+            fh.flush()
+            os.fsync(fh.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    if durable:
+        _fsync_dir(path.parent)
     return path
 
 

@@ -92,7 +92,11 @@ def test_clean_run_raises_no_alarm(tmp_path_factory):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert report["alarms"] == [] and report["stopped_at_step"] is None
     assert report["steps_completed"] == 12 and report["passed"]
-    assert not list((out / "spool").glob("*"))
+    assert not list((out / "spool").glob("*.alarm.json"))
+    stats = [json.loads((out / "spool" / "stats" / f"rank-{r}.json").read_text()) for r in range(6)]
+    assert all(s["schema"] == "sdcguard.dev/stats/v1" and s["alarms"] == 0 for s in stats)
+    assert stats[0]["node"] == "drill-node-0" and stats[5]["node"] == "drill-node-2"
+    assert set(stats[0]["checks"]) == {"nonfinite", "replay", "weights"}
     assert len(set(map(str, report["final_weight_digests"].values()))) == 1  # replicas agree
 
 

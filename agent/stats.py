@@ -1,0 +1,58 @@
+"""Per-rank check statistics left in the spool for the sidecar to export as metrics.
+
+``<spool>/stats/rank-<r>.json`` (schema ``sdcguard.dev/stats/v1``): steps, per-check run counts and
+seconds, last verified step, alarms. Rewritten atomically at most every ``interval`` seconds (and
+at once after an alarm), without fsync: losing the last few seconds of counters is harmless,
+slowing the training step is not.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .alarm import now_rfc3339
+from .spool import write_json_atomic
+
+STATS_SCHEMA = "sdcguard.dev/stats/v1"
+
+
+def stats_path(spool: str, rank: int) -> Path:
+    return Path(spool) / "stats" / f"rank-{rank}.json"
+
+
+@dataclass(slots=True)
+class CheckStats:
+    identity: dict[str, Any]
+    job: dict[str, str] | None
+    interval: float = 15.0
+    steps: int = 0
+    last_step: int | None = None
+    last_verified_step: int | None = None
+    alarms: int = 0
+    runs: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    _written_at: float = 0.0
+
+    def timed(self, check: str, started: float) -> None:
+        """Count one run of ``check`` that began at ``started`` (a perf_counter reading)."""
+        self.runs[check] = self.runs.get(check, 0) + 1
+        self.seconds[check] = self.seconds.get(check, 0.0) + time.perf_counter() - started
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "schema": STATS_SCHEMA, **self.identity, "job": self.job, "steps": self.steps,
+            "last_step": self.last_step, "last_verified_step": self.last_verified_step,
+            "alarms": self.alarms,
+            "checks": {c: {"runs": self.runs[c], "seconds": round(self.seconds[c], 6)} for c in sorted(self.runs)},
+            "updated": now_rfc3339(),
+        }
+
+    def flush(self, spool: str | None, force: bool = False) -> None:
+        now = time.monotonic()
+        if spool is None or (not force and now - self._written_at < self.interval):
+            return
+        self._written_at = now
+        write_json_atomic(stats_path(spool, self.identity["rank"]), json.dumps(self.as_dict()), durable=False)
