@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .alarm import CHECK_NONFINITE_LOCAL, CHECK_REPLAY
-from .exchange import broadcast_digest, gather_digests, gather_objects, ring_exchange
+from .exchange import broadcast_digest, gather_digests, gather_objects, gather_tensor, ring_exchange
 from .replay import PassResult, Payload, replay
 from .topology import Topology
 from .verdict import Verdict
@@ -127,8 +127,7 @@ class Replayer:
                                device=self.device, group=self.group)
         norm = self.run(theirs, scale).grad_sq_norm if theirs is not None else 0.0
         norms = torch.tensor([norm], dtype=torch.float64, device=self.device)
-        parts = [torch.empty_like(norms) for _ in range(topo.world_size)]
-        dist.all_gather(parts, norms, group=self.group)
+        parts = gather_tensor(norms, self.group, "norms")
         replayed = {b: float(parts[topo.replayer_of(b)]) for b in bad}
         unexplained = [b for b in bad if math.isfinite(replayed[b])]
         if not unexplained:

@@ -6,6 +6,8 @@ when digests disagree are details fetched, and only from the ranks involved.
 from __future__ import annotations
 
 import io
+import pickle
+from collections import Counter
 from typing import Any
 
 import torch
@@ -13,13 +15,23 @@ import torch.distributed as dist
 
 DIGEST_BYTES = 16
 
+TRAFFIC: Counter[str] = Counter()
+"""Bytes this rank has contributed to each kind of exchange (its own payload, not the copies a
+collective algorithm makes): what `bench/exchange_bytes.py` reports and the stats export."""
+
+
+def gather_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None, label: str) -> list[torch.Tensor]:
+    """All-gather one small tensor per rank."""
+    TRAFFIC[label] += tensor.numel() * tensor.element_size()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor, group=group)
+    return parts
+
 
 def gather_digests(digests: list[bytes], device: torch.device, group: dist.ProcessGroup | None) -> list[list[bytes]]:
     """All-gather a fixed number of 16-byte digests per rank: result[rank][k]."""
     words = [int.from_bytes(d[i:i + 8], "little", signed=True) for d in digests for i in (0, 8)]
-    mine = torch.tensor(words, dtype=torch.int64, device=device)
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)
+    parts = gather_tensor(torch.tensor(words, dtype=torch.int64, device=device), group, "digests")
     out = []
     for part in parts:
         raw = b"".join(int(w).to_bytes(8, "little", signed=True) for w in part.tolist())
@@ -29,6 +41,7 @@ def gather_digests(digests: list[bytes], device: torch.device, group: dist.Proce
 
 def gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     """All-gather picklable objects; used only on a mismatch, for details (others send None)."""
+    TRAFFIC["details"] += len(pickle.dumps(obj))
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
@@ -42,6 +55,7 @@ def ring_exchange(payload: Any, send_to: int | None, recv_from: int | None, devi
     side may be None (this rank only sends, or only receives). Ranks are group ranks.
     """
     blob = _to_bytes(payload) if send_to is not None else None
+    TRAFFIC["batches"] += blob.numel() if blob is not None else 0
     size_out = torch.tensor([blob.numel() if blob is not None else 0], dtype=torch.int64, device=device)
     size_in = torch.zeros(1, dtype=torch.int64, device=device)
     _wait(_post(size_out, send_to, size_in, recv_from, group))
@@ -53,6 +67,7 @@ def ring_exchange(payload: Any, send_to: int | None, recv_from: int | None, devi
 def broadcast_digest(digest: bytes | None, src: int, device: torch.device, group: dist.ProcessGroup | None) -> bytes:
     """Rank ``src`` tells everyone one 16-byte digest."""
     words = torch.zeros(2, dtype=torch.int64, device=device)
+    TRAFFIC["digests"] += DIGEST_BYTES if digest is not None else 0
     if digest is not None:
         words = torch.tensor([int.from_bytes(digest[i:i + 8], "little", signed=True) for i in (0, 8)],
                              dtype=torch.int64, device=device)

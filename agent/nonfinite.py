@@ -6,17 +6,18 @@ norms — is all it costs, whatever the model size. Every rank then reaches the 
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.distributed as dist
 
 from .alarm import CHECK_NONFINITE_LOCAL, CHECK_NONFINITE_REDUCED
+from .exchange import gather_tensor
 from .verdict import Verdict
 
 
 def gather_norms(norms: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[tuple[float, float]]:
     """All ranks' ``[local, reduced]`` squared norms, indexed by rank."""
-    parts = [torch.empty_like(norms) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, norms, group=group)
+    parts = gather_tensor(norms, group, "norms")
     return [(float(p[0]), float(p[1])) for p in parts]
 
 
