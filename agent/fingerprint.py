@@ -14,9 +14,11 @@ Inside a chunk of ``rows x C`` elements, with 0-based row r and column c (i = r*
 
     sum(b_i * (i + 1)) = C * sum_r r * rowsum_r + sum_c (c + 1) * colsum_c
 
-so no position tensor as long as the chunk is needed, only integer reductions. Chunks of about
-1 MiB stay in cache between the row and the column reduction; 1- and 2-byte elements are reduced
-in int32 (exact: a chunk's row and column sums cannot overflow it), which halves the work.
+so no position tensor as long as the chunk is needed, only integer reductions. On CPU, chunks of
+about 1 MiB stay in cache between the row and the column reduction, and 1- and 2-byte elements
+are reduced in int32 (exact: a chunk's row and column sums cannot overflow it), which halves the
+work. On a GPU the same code runs with large chunks (few kernel launches); it has not yet been
+timed on one (see bench/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -29,8 +31,13 @@ import torch
 __all__ = ["Fingerprint", "fingerprint", "digest", "fingerprint_reference"]
 
 _MASK = (1 << 64) - 1
-# Bytes per chunk: small enough to stay in cache for the second reduction over it.
+# Bytes per chunk on CPU: small enough to stay in cache for the second reduction over it.
 CHUNK_BYTES = 1 << 20
+# Elements per chunk on GPUs: reductions cast on load, so a chunk costs O(rows) temporary memory;
+# large chunks keep the number of kernel launches per tensor small.
+GPU_CHUNK_ELEMENTS = 1 << 26
+# Narrow (1- and 2-byte) elements are summed in int32 when a chunk is at most this long.
+_INT32_SAFE_ELEMENTS = 1 << 24
 # Columns of the rows x C view of a chunk; the chunk size is a multiple of it.
 _COLUMNS = 1 << 11
 
@@ -47,15 +54,18 @@ class Fingerprint(NamedTuple):
 def fingerprint(tensor: torch.Tensor, *, chunk_elements: int | None = None) -> Fingerprint:
     """Fingerprint ``tensor`` per the SPEC §3 definition, on the tensor's own device."""
     if chunk_elements is None:
-        chunk_elements = max(_COLUMNS, CHUNK_BYTES // tensor.element_size())
-    if chunk_elements < _COLUMNS or chunk_elements % _COLUMNS or chunk_elements > 1 << 24:
-        raise ValueError(f"chunk_elements must be a multiple of {_COLUMNS} up to 2**24")
+        chunk_elements = GPU_CHUNK_ELEMENTS if tensor.is_cuda else max(_COLUMNS, CHUNK_BYTES // tensor.element_size())
+    if chunk_elements < _COLUMNS or chunk_elements % _COLUMNS or chunk_elements > 1 << 30:
+        raise ValueError(f"chunk_elements must be a multiple of {_COLUMNS} up to 2**30")
+    # |b| <= 2**15 and at most 2**13 rows of 2**11: int32 row and column sums are exact.
+    narrow = tensor.element_size() <= 2 and chunk_elements <= _INT32_SAFE_ELEMENTS
+    acc = torch.int32 if narrow else torch.int64
     as_ints = _integer_view(tensor.detach())
     s0 = torch.zeros((), dtype=torch.int64, device=tensor.device)
     s1 = torch.zeros((), dtype=torch.int64, device=tensor.device)
     offset = 0
     for piece in _flat_chunks(as_ints, chunk_elements):
-        c0, c1 = _chunk_sums(piece)
+        c0, c1 = _chunk_sums(piece, acc)
         # Shift this chunk's positions by its offset: sum b*(offset + j + 1) = offset*sum b + ...
         s1 += c1 + c0 * offset
         s0 += c0
@@ -118,7 +128,7 @@ def _positions(start: int, stop: int, device: torch.device) -> torch.Tensor:
     return torch.arange(start, stop, dtype=torch.int64, device=device)
 
 
-def _chunk_sums(piece: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_sums(piece: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum b, sum b*(j+1)) of one contiguous 1-D chunk, j the position inside the chunk."""
     n = piece.numel()
     rows, tail = divmod(n, _COLUMNS)
@@ -126,8 +136,6 @@ def _chunk_sums(piece: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s1 = torch.zeros((), dtype=torch.int64, device=piece.device)
     if rows:
         body = piece[: rows * _COLUMNS].view(rows, _COLUMNS)
-        # |b| <= 2**15 and at most 2**13 rows (chunk <= 2**24 elements): int32 sums are exact.
-        acc = torch.int32 if piece.element_size() <= 2 else torch.int64
         row_sums = body.sum(dim=1, dtype=acc).to(torch.int64)
         col_sums = body.sum(dim=0, dtype=acc).to(torch.int64)
         r = _positions(0, rows, piece.device)

@@ -138,7 +138,8 @@ class Guard:
         return loss
 
     def is_audit_step(self, step: int) -> bool:
-        return self.config.audit_every > 0 and step % self.config.audit_every == 0
+        # A single replica has nobody to replay its batch: check 2 needs two ranks at least.
+        return self.config.audit_every > 0 and step % self.config.audit_every == 0 and self.topology.world_size > 1
 
     def is_weight_check_step(self, step: int) -> bool:
         every = self.config.weight_check_every

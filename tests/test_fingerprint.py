@@ -123,6 +123,18 @@ def test_non_contiguous_input(make):
     assert fingerprint(t, chunk_elements=_COLUMNS) == expected  # slab-by-slab path
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_large_chunks_take_the_int64_path_and_agree(dtype):
+    # chunks past 2**24 elements (the GPU default) reduce narrow types in int64, not int32
+    t = (torch.randn(3 * _COLUMNS + 7) * 100).to(dtype)
+    assert fingerprint(t, chunk_elements=1 << 25) == fingerprint(t) == _reference(t)
+
+
+def test_chunk_size_is_validated():
+    with pytest.raises(ValueError, match="multiple of 2048"):
+        fingerprint(torch.zeros(4), chunk_elements=1000)
+
+
 def test_equal_results_for_equal_logical_content():
     t = torch.randn(123, 77)
     assert fingerprint(t.t().contiguous().t()) == fingerprint(t)
