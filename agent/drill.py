@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a fault to inject (repeatable)")
     parser.add_argument("--on-alarm", choices=("stop", "resume"), default="stop",
                         help="stop at the first alarm, or replace the suspects and resume from the last verified step")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="save a verified checkpoint every K steps; resume restarts from the alarm's last good checkpoint")
     parser.add_argument("--report", type=Path, help="write the JSON report here")
     parser.add_argument("--spool", type=Path, help="alarm spool directory (default: a temporary one)")
     parser.add_argument("--seed", type=int, default=0)
@@ -52,7 +54,7 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("nodes", "world_size", "ranks_per_node", "steps", "micro_batches", "timeout"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise DrillInputError(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("audit_every", "weight_check_every"):
+    for name in ("audit_every", "weight_check_every", "checkpoint_every"):
         if getattr(args, name) < 0:
             raise DrillInputError(f"--{name.replace('_', '-')} must be >= 0")
     nodes, world = _layout(args.nodes, args.world_size, args.ranks_per_node)
@@ -64,6 +66,7 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "nodes": nodes, "ranks_per_node": args.ranks_per_node, "world_size": world,
         "steps": args.steps, "audit_every": args.audit_every,
         "weight_check_every": args.weight_check_every, "micro_batches": args.micro_batches,
+        "checkpoint_every": args.checkpoint_every,
         "faults": [f.as_dict() for f in faults], "on_alarm": args.on_alarm, "seed": args.seed,
         "backend": _backend(args.backend, world), "timeout_s": args.timeout,
         "print_every": max(1, args.steps // 10),
@@ -113,6 +116,7 @@ def build_report(cfg: dict[str, Any], results: list[dict[str, Any]], alarms: lis
         "fired": _merge_fired(results),
         "alarms": alarms,
         "unexplained_alarms": [a["id"] for a in unexplained],
+        "resumed_from": results[0]["resumed_from"],
         "steps_completed": results[0]["steps_completed"],
         "stopped_at_step": stopped_at,
         "final_weight_digests": {r["rank"]: r["final_weights"] for r in results},

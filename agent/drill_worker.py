@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from .config import Config
 from .drill_model import DrillModel, loss_fn, make_batch
 from .errors import SDCDetected
 from .faults import FaultSpec
+from .fingerprint import digest, fingerprint
 from .guard import Guard
 from .inject import FaultInjector
 
@@ -44,16 +46,20 @@ def main(config_path: str) -> int:
     return 0
 
 
-def train(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
-    """The drill's training loop; returns what this rank saw."""
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if cfg["backend"] == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+@dataclass(slots=True)
+class Trainer:
+    """One incarnation of the training job: a resume after an alarm builds a new one."""
+
+    model: DrillModel
+    optimizer: torch.optim.Optimizer
+    guard: Guard
+
+
+def build(cfg: dict[str, Any], rank: int, device: torch.device, injector: FaultInjector) -> Trainer:
     torch.manual_seed(cfg["seed"])
     model = DrillModel().to(device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    injector = FaultInjector([FaultSpec(**f) for f in cfg["faults"]], rank)
     injector.install(model.activation_site, model.fault_parameter, optimizer)
     guard = Guard(
         ddp, optimizer, _on_device(loss_fn, device),
@@ -61,41 +67,64 @@ def train(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
                                spool=cfg["spool"], seed=cfg["seed"]),
         reduce_hook=injector.reduce_hook, reduce_state=ddp.process_group,
     )
-    snapshot = _snapshot(-1, model, optimizer)  # DDP broadcast rank 0's weights: all equal
+    return Trainer(model, optimizer, guard)
+
+
+def train(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
+    """The drill's training loop; returns what this rank saw.
+
+    With ``on_alarm: resume`` an alarm stands for the whole recovery loop: the suspects' nodes are
+    "replaced" (their faults disarmed), a new job is built, and it resumes from the alarm's
+    ``last_good_checkpoint`` (with ``checkpoint_every``) or else from an in-memory copy of the
+    last verified weights."""
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cfg["backend"] == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    injector = FaultInjector([FaultSpec(**f) for f in cfg["faults"]], rank)
+    job = build(cfg, rank, device, injector)
+    snapshot = _snapshot(-1, job)  # DDP broadcast rank 0's weights: all replicas start equal
     alarms: list[str] = []
+    resumed_from: list[str | None] = []
     stopped_at = None
     step = 0
     while step < cfg["steps"]:
         injector.begin_step(step)
         batches = [make_batch(cfg["seed"], step, rank, m) for m in range(cfg["micro_batches"])]
         try:
-            loss = guard.train_step(step, micro_batches=batches)
+            loss = job.guard.train_step(step, micro_batches=batches)
         except SDCDetected as exc:
             alarms.append(exc.alarm["id"])
-            reporter = rank == guard.topology.reporter(exc.suspect_ranks)
+            reporter = rank == job.guard.topology.reporter(exc.suspect_ranks)
             if reporter:
                 print(f"[drill] step {step:4d}  ALARM {exc}", flush=True)
             if cfg["on_alarm"] == "stop":
                 stopped_at = step
                 break
             injector.disarm(exc.suspect_ranks)
-            step = _restore(snapshot, model, optimizer) + 1
+            job = build(cfg, rank, device, injector)
+            checkpoint = exc.alarm["last_good_checkpoint"] if cfg["checkpoint_every"] else None
+            resumed_from.append(checkpoint)
+            step = (job.guard.load_checkpoint(checkpoint) if checkpoint else _restore(snapshot, job)) + 1
             if reporter:
-                print(f"[drill] suspects replaced; resuming after verified step {step - 1}", flush=True)
+                print(f"[drill] suspects replaced; resuming after verified step {step - 1}"
+                      + (f" from {Path(checkpoint).name}" if checkpoint else ""), flush=True)
             continue
-        if guard.last_weights_verified_step == step:
-            snapshot = _snapshot(step, model, optimizer)
+        if cfg["checkpoint_every"] and step % cfg["checkpoint_every"] == 0:
+            job.guard.save_checkpoint(str(Path(cfg["workdir"], "checkpoints", f"step-{step}.pt")), step)
+        elif not cfg["checkpoint_every"] and job.guard.last_weights_verified_step == step:
+            snapshot = _snapshot(step, job)
         if rank == 0 and (step % cfg["print_every"] == 0 or step == cfg["steps"] - 1):
             print(f"[drill] step {step:4d}  loss {float(loss):.4f}", flush=True)
         step += 1
-    guard.flush_stats()
+    job.guard.flush_stats()
     return {
         "rank": rank,
         "fired": injector.fired,
         "alarms": alarms,
+        "resumed_from": [Path(c).name if c else None for c in resumed_from],
         "steps_completed": stopped_at if stopped_at is not None else cfg["steps"],
         "stopped_at_step": stopped_at,
-        "final_weights": [p.detach().cpu().double().sum().item() for p in model.parameters()],
+        "final_weights": digest(fingerprint(p) for p in job.model.parameters()).hex(),
     }
 
 
@@ -105,14 +134,14 @@ def _on_device(fn: Any, device: torch.device) -> Any:
     return lambda module, batch: fn(module, tuple(t.to(device) for t in batch))
 
 
-def _snapshot(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, Any, Any]:
-    return step, copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+def _snapshot(step: int, job: Trainer) -> tuple[int, Any, Any]:
+    return step, copy.deepcopy(job.model.state_dict()), copy.deepcopy(job.optimizer.state_dict())
 
 
-def _restore(snapshot: tuple[int, Any, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def _restore(snapshot: tuple[int, Any, Any], job: Trainer) -> int:
     step, weights, state = snapshot
-    model.load_state_dict(weights)
-    optimizer.load_state_dict(copy.deepcopy(state))
+    job.model.load_state_dict(weights)
+    job.optimizer.load_state_dict(copy.deepcopy(state))
     return step
 
 

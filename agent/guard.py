@@ -158,6 +158,19 @@ class Guard:
         from .checkpoint import save_checkpoint
         return str(save_checkpoint(self, path, step, extra))
 
+    def load_checkpoint(self, path: str) -> int:
+        """Resume from a verified checkpoint (every rank calls); return the step it was taken at.
+
+        The model, optimizer and scaler are loaded only after the file and the loaded weights
+        match the manifest; the checkpoint then counts as this run's last good one."""
+        from .checkpoint import load_checkpoint
+        device = next(self.model.parameters()).device
+        state = load_checkpoint(path, self.model.module, self.optimizer, self.scaler, map_location=device)
+        step = int(state["step"])
+        self.checkpoints.append((step, str(path)))
+        self.last_verified_step = self.last_weights_verified_step = step
+        return step
+
     # -- the checks ----------------------------------------------------------------------------
 
     def _forward_backward(self, step: int, batches: Sequence[Any], record: bool) -> torch.Tensor:

@@ -4,6 +4,7 @@ replaces the suspects and resumes from the last verified step after each alarm."
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,7 +26,7 @@ def drill(tmp_path_factory, name, *args):
 def many_faults(tmp_path_factory):
     return drill(
         tmp_path_factory, "many", "--steps", "16", "--audit-every", "5", "--weight-check-every", "2",
-        "--on-alarm", "resume",
+        "--on-alarm", "resume", "--checkpoint-every", "3",
         "--inject", "forward-nan:rank=0:step=2",       # rank 0 is the culprit, like any other
         "--inject", "grad-inf:rank=5:step=3",
         "--inject", "reduce-nan:step=5",
@@ -35,13 +36,13 @@ def many_faults(tmp_path_factory):
     )
 
 
-EXPECTED = [  # kind, check, step, suspect rank (None: no rank can be named)
-    ("forward-nan", "nonfinite-local", 2, 0),
-    ("grad-inf", "nonfinite-local", 3, 5),
-    ("reduce-nan", "nonfinite-reduced", 5, None),
-    ("optimizer-scale", "weights", 8, 1),
-    ("weight-swap", "weights", 12, 2),
-    ("weight-bitflip", "weights", 14, 0),
+EXPECTED = [  # kind, check, step, suspect rank (None: no rank can be named), checkpoint to resume from
+    ("forward-nan", "nonfinite-local", 2, 0, "step-0.pt"),
+    ("grad-inf", "nonfinite-local", 3, 5, "step-0.pt"),
+    ("reduce-nan", "nonfinite-reduced", 5, None, "step-3.pt"),
+    ("optimizer-scale", "weights", 8, 1, "step-6.pt"),      # weights suspect since step 7
+    ("weight-swap", "weights", 12, 2, "step-9.pt"),         # weights suspect since step 11
+    ("weight-bitflip", "weights", 14, 0, "step-12.pt"),
 ]
 
 
@@ -52,7 +53,7 @@ def test_each_fault_is_caught_by_its_check_naming_its_rank_and_node(many_faults)
     assert [r["outcome"] for r in report["injected"]] == ["caught"] * len(EXPECTED)
     alarms = sorted(report["alarms"], key=lambda a: a["step"])
     assert len(alarms) == len(EXPECTED)  # exactly one record per fault, not one per rank
-    for alarm, (kind, check, step, rank) in zip(alarms, EXPECTED):
+    for alarm, (kind, check, step, rank, _) in zip(alarms, EXPECTED):
         assert (alarm["check"], alarm["step"], alarm["ambiguous"]) == (check, step, False), kind
         if rank is None:
             assert alarm["suspect_ranks"] == [] and alarm["suspects"] == []
@@ -61,6 +62,13 @@ def test_each_fault_is_caught_by_its_check_naming_its_rank_and_node(many_faults)
             assert alarm["suspects"] == [{"rank": rank, "pod": None, "node": f"drill-node-{rank // 2}"}]
             assert alarm["reporter"]["rank"] != rank  # a suspect never reports on itself
         assert alarm["job"] is None  # outside Kubernetes
+
+
+def test_each_alarm_names_the_last_good_checkpoint_and_the_run_resumes_from_it(many_faults):
+    _, report, _ = many_faults
+    alarms = sorted(report["alarms"], key=lambda a: a["step"])
+    assert [Path(a["last_good_checkpoint"]).name for a in alarms] == [e[4] for e in EXPECTED]
+    assert report["resumed_from"] == [e[4] for e in EXPECTED]
 
 
 def test_evidence_says_what_differed(many_faults):
@@ -75,7 +83,7 @@ def test_evidence_says_what_differed(many_faults):
 
 def test_alarms_in_the_spool_are_the_reported_ones(many_faults):
     _, report, out = many_faults
-    spooled = sorted(p.name for p in (out / "spool").iterdir())
+    spooled = sorted(p.name for p in (out / "spool").glob("*.alarm.json"))
     assert spooled == sorted(a["id"].replace("/", "_") + ".alarm.json" for a in report["alarms"])
 
 
