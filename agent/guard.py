@@ -233,7 +233,7 @@ class Guard:
         """Check 3; on success remember the step and digest the weights were verified at."""
         started = time.perf_counter()
         mine = fingerprint_weights(self.named_parameters)
-        verdict, digests = compare_weights(mine, self.device, self.group)
+        verdict, digests = compare_weights(mine, self.topology.rank, self.device, self.group)
         self.stats.timed("weights", started)
         if verdict is None:
             self.last_weights_verified_step = step

@@ -40,41 +40,49 @@ def fingerprint_weights(named_parameters: Sequence[tuple[str, torch.Tensor]]) ->
 
 
 def compare_weights(
-    mine: WeightCheck, device: torch.device, group: dist.ProcessGroup | None = None
+    mine: WeightCheck, rank: int, device: torch.device, group: dist.ProcessGroup | None = None
 ) -> tuple[Verdict | None, list[bytes]]:
-    """Gather every rank's digest; on disagreement fetch details and name the odd replicas.
+    """Gather every rank's digest; on disagreement name the odd replicas, fetching per-parameter
+    fingerprints only from them and from one rank of the majority.
 
     Returns the verdict (None when all agree) and the digests indexed by rank.
     """
     digests = [d for [d] in gather_digests([mine.digest], device, group)]
     if len(set(digests)) == 1:
         return None, digests
-    everyone = gather_objects(mine.fingerprints, group)
-    return judge_weights(digests, everyone, mine.names), digests
+    majority = strict_majority(digests)
+    fingerprints: list[list[Fingerprint] | None] = [None] * len(digests)
+    if majority is not None:
+        needed = {r for r, d in enumerate(digests) if d != majority} | {digests.index(majority)}
+        fingerprints = gather_objects(mine.fingerprints if rank in needed else None, group)
+    return judge_weights(digests, fingerprints, mine.names), digests
+
+
+def strict_majority(digests: list[bytes]) -> bytes | None:
+    """The digest more than half the ranks hold, if any."""
+    top, count = Counter(digests).most_common(1)[0]
+    return top if count * 2 > len(digests) else None
 
 
 def judge_weights(
-    digests: list[bytes], fingerprints: list[list[Fingerprint]], names: list[str]
+    digests: list[bytes], fingerprints: list[list[Fingerprint] | None], names: list[str]
 ) -> Verdict:
-    """Name the ranks outside a strict majority; without one, every rank is a candidate."""
-    world = len(digests)
-    top, count = Counter(digests).most_common(1)[0]
-    majority = top if count * 2 > world else None
+    """Name the ranks outside a strict majority; without one, every rank is a candidate.
+
+    ``fingerprints`` needs entries only for the suspects and the first rank of the majority."""
+    majority = strict_majority(digests)
+    groups = Counter(digests)
     if majority is None:
-        suspects = list(range(world))
-        reference = None
-    else:
-        suspects = [r for r, d in enumerate(digests) if d != majority]
-        reference = fingerprints[digests.index(majority)]
-    evidence: dict[str, Any] = {
-        "digests": {r: d.hex() for r, d in enumerate(digests)},
-        "majority_digest": majority.hex() if majority else None,
-    }
-    if reference is not None:
-        evidence["differing_parameters"] = {
-            r: _differing(names, fingerprints[r], reference) for r in suspects
-        }
-    return Verdict(CHECK_WEIGHTS, suspects=suspects, ambiguous=majority is None, evidence=evidence)
+        return Verdict(CHECK_WEIGHTS, suspects=list(range(len(digests))), ambiguous=True, evidence={
+            "majority_digest": None, "digest_groups": {d.hex(): n for d, n in groups.items()}})
+    suspects = [r for r, d in enumerate(digests) if d != majority]
+    reference = fingerprints[digests.index(majority)]
+    return Verdict(CHECK_WEIGHTS, suspects=suspects, evidence={
+        "majority_digest": majority.hex(),
+        "majority_size": groups[majority],
+        "suspect_digests": {r: digests[r].hex() for r in suspects},
+        "differing_parameters": {r: _differing(names, fingerprints[r], reference) for r in suspects},
+    })
 
 
 def _differing(names: list[str], theirs: list[Fingerprint], reference: list[Fingerprint]) -> dict[str, Any]:
