@@ -42,3 +42,13 @@ test: $(STAMP) $(TOOLS)
 
 clean:
 	rm -rf $(VENV) demo-report.json .pytest_cache
+
+# Chart, plain manifests and image pins (issue 5). `manifests` copies deploy/crds/ into the chart
+# and renders deploy/sdcguard.yaml from it; tests/test_chart.py fails when either drifts.
+.PHONY: manifests image-requirements
+
+manifests: | $(TOOLS)
+	deploy/render.sh
+
+image-requirements: | $(STAMP)
+	$(PY) deploy/images/pin_requirements.py

@@ -1,0 +1,102 @@
+"""An alarm record as the core ``v1`` Event that SPEC §4 defines (built here, posted by the sidecar).
+
+The Event's name is a pure function of the alarm id, so a sidecar that crashed after the API
+server stored the Event but before it moved the record out of the spool collides with its own
+earlier Event (HTTP 409) instead of publishing a duplicate. Standard library only.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any, Mapping
+
+from . import alarm as _alarm
+
+REASON = "SilentDataCorruption"
+COMPONENT = "sdcguard-agent"
+ANNOTATION = "sdcguard.dev/alarm"
+CHECK_LABEL = "sdcguard.dev/check"
+
+_NOT_DNS = re.compile(r"[^a-z0-9-]+")
+_SLUG_MAX = 200  # a DNS subdomain may be 253 characters; leave room for prefix and digest
+
+
+def event_name(alarm_id: str) -> str:
+    """A valid, deterministic Event name for an alarm id: a readable slug plus a digest of the
+    exact id (two ids that slug alike still get different names)."""
+    slug = _NOT_DNS.sub("-", alarm_id.lower()).strip("-")[:_SLUG_MAX].strip("-") or "alarm"
+    digest = hashlib.sha256(alarm_id.encode("utf-8")).hexdigest()[:10]
+    return f"sdcguard-{slug}-{digest}"
+
+
+def event_namespace(record: Mapping[str, Any], fallback: str) -> str:
+    """The job's namespace; ``fallback`` (the sidecar's own namespace) outside a job."""
+    job = record.get("job")
+    return job["namespace"] if job else fallback
+
+
+def involved_pod(record: Mapping[str, Any]) -> str | None:
+    """The first suspect's pod, else the reporter's pod (SPEC §4); None outside Kubernetes."""
+    for suspect in record.get("suspects") or []:
+        if suspect.get("pod"):
+            return suspect["pod"]
+    return (record.get("reporter") or {}).get("pod")
+
+
+def message(record: Mapping[str, Any]) -> str:
+    """One human line: what fired, where, who is suspected, and from where to resume."""
+    job = record.get("job")
+    where = f" in {job['kind']} {job['namespace']}/{job['name']}" if job else ""
+    suspects = record.get("suspects") or []
+    if not suspects:
+        who = "no rank can be named (the fault is in the reduced gradient)"
+    else:
+        names = ", ".join(
+            f"rank {s['rank']}" + (f" (pod {s['pod']} on node {s['node']})" if s.get("pod") else "")
+            for s in suspects
+        )
+        who = ("ambiguous between " if record.get("ambiguous") else "suspect ") + names
+    tail = f"; last verified step {record.get('last_verified_step')}"
+    if record.get("last_good_checkpoint"):
+        tail += f", last good checkpoint {record['last_good_checkpoint']}"
+    return f"Silent data corruption caught by check {record['check']} at step {record['step']}{where}: {who}{tail}"
+
+
+def build_event(
+    record: Mapping[str, Any], *, fallback_namespace: str, fallback_pod: str | None = None,
+    host: str | None = None,
+) -> dict[str, Any]:
+    """The Event body for one validated alarm record (a plain dict, ready to POST)."""
+    namespace = event_namespace(record, fallback_namespace)
+    pod = involved_pod(record) or fallback_pod
+    if pod:
+        involved = {"apiVersion": "v1", "kind": "Pod", "name": pod, "namespace": namespace}
+    elif record.get("job"):
+        job = record["job"]
+        involved = {"apiVersion": "kubeflow.org/v1", "kind": job["kind"], "name": job["name"],
+                    "namespace": namespace}
+    else:
+        raise ValueError("alarm names no pod and no job: nothing for the Event to be about")
+    source: dict[str, str] = {"component": COMPONENT}
+    if host:
+        source["host"] = host
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {
+            "name": event_name(record["id"]),
+            "namespace": namespace,
+            "labels": {CHECK_LABEL: _NOT_DNS.sub("-", str(record["check"]).lower())[:63].strip("-")},
+            "annotations": {ANNOTATION: _alarm.dumps(record)},
+        },
+        "type": "Warning",
+        "reason": REASON,
+        "message": message(record),
+        "involvedObject": involved,
+        "source": source,
+        "firstTimestamp": record["time"],
+        "lastTimestamp": record["time"],
+        "count": 1,
+        "reportingComponent": COMPONENT,
+        "reportingInstance": fallback_pod or COMPONENT,
+    }

@@ -1,0 +1,347 @@
+"""The pod mutating webhook (SPEC §5): wire sdcguard into the pods of an annotated PyTorchJob.
+
+A pod created by the training operator carries the label ``training.kubeflow.org/job-name`` but
+not its job's annotations, so the webhook reads them from the PyTorchJob itself through the API
+(a GET with a 2-second timeout, cached for 30 s because a job's pods arrive in a burst). It fails
+open: when the job cannot be read, the pod is admitted unchanged with a warning — the webhook
+never blocks pod creation, and its ``MutatingWebhookConfiguration`` says ``failurePolicy: Ignore``
+for when it is down. ``sdcguard.dev/*`` annotations on the pod itself (from the replica's pod
+template) are honoured too and win over the job's, which also covers a failed lookup.
+
+An enabled pod gets: the ``sdcguard-sidecar`` container (a native sidecar: an init container with
+``restartPolicy: Always``, so it stops when training ends and the pod can complete), the spool
+``emptyDir`` mounted in every container, the downward-API ``POD_NAME`` / ``POD_NAMESPACE`` /
+``NODE_NAME``, the job identity (``SDCGUARD_JOB_NAME`` / ``SDCGUARD_JOB_KIND``), and
+``SDCGUARD_AUDIT_EVERY`` / ``SDCGUARD_WEIGHT_CHECK_EVERY`` from the annotations. A bad value is a
+warning in the admission response and the library's default applies; never a rejection. The
+mutation is idempotent: mutating its own output changes nothing.
+
+Handlers are thin: :func:`inject` and :func:`plan` are pure and tested directly; the kopf handler
+only looks the job up and hands the result to kopf's patch.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Mapping
+
+import kopf
+
+from sdcguard.config import Config
+
+log = logging.getLogger("sdcguard_operator.webhook")
+
+HANDLER_ID = "sdcguard-pod-inject"  # also the URL path: kopf serves POST /<handler id>
+JOB_LABEL = "training.kubeflow.org/job-name"
+JOB_KIND = "PyTorchJob"
+JOB_GROUP, JOB_VERSION, JOB_PLURAL = "kubeflow.org", "v1", "pytorchjobs"
+ENABLED = "sdcguard.dev/enabled"
+INJECTED_LABEL = "sdcguard.dev/injected"
+SETTINGS = {  # annotation -> (environment variable, library default)
+    "sdcguard.dev/audit-every": ("SDCGUARD_AUDIT_EVERY", Config().audit_every),
+    "sdcguard.dev/weight-check-every": ("SDCGUARD_WEIGHT_CHECK_EVERY", Config().weight_check_every),
+}
+SIDECAR_NAME = "sdcguard-sidecar"
+SPOOL_VOLUME = "sdcguard-spool"
+SPOOL_PATH = "/var/run/sdcguard"
+METRICS_PORT_NAME = "sdc-metrics"
+DOWNWARD_API = {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace", "NODE_NAME": "spec.nodeName"}
+_DECIMAL = re.compile(r"^[0-9]+$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SidecarSettings:
+    """How the injected sidecar looks; the chart sets these on the operator's environment."""
+
+    image: str = "ghcr.io/sdcguard/sdcguard-agent:0.1.0"
+    pull_policy: str = "IfNotPresent"
+    metrics_port: int = 9464
+    cpu_request: str = "10m"
+    memory_request: str = "48Mi"
+    memory_limit: str = "128Mi"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "SidecarSettings":
+        names = {"image": "SDCGUARD_SIDECAR_IMAGE", "pull_policy": "SDCGUARD_SIDECAR_PULL_POLICY",
+                 "cpu_request": "SDCGUARD_SIDECAR_CPU_REQUEST", "memory_request": "SDCGUARD_SIDECAR_MEMORY_REQUEST",
+                 "memory_limit": "SDCGUARD_SIDECAR_MEMORY_LIMIT"}
+        values: dict[str, Any] = {k: env[v] for k, v in names.items() if env.get(v)}
+        if env.get("SDCGUARD_SIDECAR_METRICS_PORT"):
+            values["metrics_port"] = int(env["SDCGUARD_SIDECAR_METRICS_PORT"])
+        return cls(**values)
+
+
+@dataclass(slots=True)
+class Plan:
+    """What an enabled pod gets: its job and the check settings as environment variables."""
+
+    job_name: str
+    job_kind: str = JOB_KIND
+    settings_env: dict[str, str] = field(default_factory=dict)
+
+
+def plan(job_name: str, annotations: Mapping[str, str]) -> tuple[Plan | None, list[str]]:
+    """Decide from the effective ``sdcguard.dev/*`` annotations; return (plan or None, warnings)."""
+    warnings: list[str] = []
+    enabled = str(annotations.get(ENABLED, "")).strip().lower()
+    if enabled != "true":
+        if enabled not in ("", "false"):
+            warnings.append(f"sdcguard: {ENABLED}={annotations[ENABLED]!r} is neither \"true\" nor \"false\"; "
+                            "sdcguard stays off for this pod")
+        return None, warnings
+    result = Plan(job_name=job_name)
+    for key, (var, default) in SETTINGS.items():
+        if key not in annotations:
+            continue
+        raw = str(annotations[key]).strip()
+        if _DECIMAL.match(raw):
+            result.settings_env[var] = str(int(raw))
+        else:
+            warnings.append(f"sdcguard: {key}={annotations[key]!r} is not an integer >= 0; "
+                            f"using the default ({default})")
+    return result, warnings
+
+
+def inject(pod: dict[str, Any], *, how: Plan, sidecar: SidecarSettings) -> None:
+    """Wire sdcguard into ``pod`` in place. Idempotent: every item is set by name, so a pod that
+    already has it (or went through twice) ends up the same."""
+    meta = pod.setdefault("metadata", {})
+    meta.setdefault("labels", {})[INJECTED_LABEL] = "true"
+    spec = pod.setdefault("spec", {})
+    volumes = spec.setdefault("volumes", [])
+    if not any(v.get("name") == SPOOL_VOLUME for v in volumes):
+        volumes.append({"name": SPOOL_VOLUME, "emptyDir": {}})
+    env = _env(how)
+    for container in spec.get("containers", []):
+        _ensure_mount(container)
+        _set_env(container, env)
+    inits = spec.setdefault("initContainers", [])
+    wanted = _sidecar_container(sidecar)
+    for i, container in enumerate(inits):
+        if container.get("name") == SIDECAR_NAME:
+            inits[i] = wanted
+            break
+    else:
+        inits.insert(0, wanted)
+
+
+def mutated(pod: Mapping[str, Any], job_annotations: Mapping[str, str] | None,
+            sidecar: SidecarSettings) -> tuple[dict[str, Any] | None, list[str]]:
+    """The pure whole: the mutated copy of ``pod`` (None: leave it alone) and the warnings."""
+    job_name = ((pod.get("metadata") or {}).get("labels") or {}).get(JOB_LABEL)
+    if not job_name or not _owned_by_pytorchjob(pod):
+        return None, []
+    how, warnings = plan(job_name, effective_annotations(pod, job_annotations))
+    if how is None:
+        return None, warnings
+    result = copy.deepcopy(dict(pod))
+    inject(result, how=how, sidecar=sidecar)
+    return result, warnings
+
+
+def effective_annotations(pod: Mapping[str, Any], job_annotations: Mapping[str, str] | None) -> dict[str, str]:
+    """The job's ``sdcguard.dev/*`` annotations overlaid by the pod's own (from its template)."""
+    pod_annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    merged = {**(job_annotations or {}), **pod_annotations}
+    return {k: v for k, v in merged.items() if k.startswith("sdcguard.dev/")}
+
+
+def _owned_by_pytorchjob(pod: Mapping[str, Any]) -> bool:
+    """Other Kubeflow job kinds share the job-name label; the controller owner tells them apart."""
+    owners = (pod.get("metadata") or {}).get("ownerReferences") or []
+    controller = [o for o in owners if o.get("controller")]
+    return not controller or controller[0].get("kind") == JOB_KIND
+
+
+def _env(how: Plan) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in DOWNWARD_API.items()
+    ]
+    env += [{"name": "SDCGUARD_SPOOL", "value": SPOOL_PATH},
+            {"name": "SDCGUARD_JOB_NAME", "value": how.job_name},
+            {"name": "SDCGUARD_JOB_KIND", "value": how.job_kind}]
+    env += [{"name": k, "value": v} for k, v in sorted(how.settings_env.items())]
+    return env
+
+
+def _set_env(container: dict[str, Any], env: list[dict[str, Any]]) -> None:
+    current = container.setdefault("env", [])
+    for item in env:
+        for i, existing in enumerate(current):
+            if existing.get("name") == item["name"]:
+                current[i] = item
+                break
+        else:
+            current.append(item)
+
+
+def _ensure_mount(container: dict[str, Any]) -> None:
+    mounts = container.setdefault("volumeMounts", [])
+    if not any(m.get("name") == SPOOL_VOLUME for m in mounts):
+        mounts.append({"name": SPOOL_VOLUME, "mountPath": SPOOL_PATH})
+
+
+def _sidecar_container(s: SidecarSettings) -> dict[str, Any]:
+    return {
+        "name": SIDECAR_NAME,
+        "image": s.image,
+        "imagePullPolicy": s.pull_policy,
+        "restartPolicy": "Always",
+        "args": ["sidecar", "--spool", SPOOL_PATH, "--metrics-port", str(s.metrics_port)],
+        "env": [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in DOWNWARD_API.items()]
+        + [{"name": "SDCGUARD_SPOOL", "value": SPOOL_PATH}],
+        "ports": [{"name": METRICS_PORT_NAME, "containerPort": s.metrics_port, "protocol": "TCP"}],
+        "volumeMounts": [{"name": SPOOL_VOLUME, "mountPath": SPOOL_PATH}],
+        "resources": {"requests": {"cpu": s.cpu_request, "memory": s.memory_request},
+                      "limits": {"memory": s.memory_limit}},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": METRICS_PORT_NAME},
+                          "periodSeconds": 20, "failureThreshold": 3},
+        # Fits the "restricted" Pod Security Standard, so enabling sdcguard never fails admission.
+        "securityContext": {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
+                            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+    }
+
+
+# --- reading the job: through the API, short timeout, fail open -----------------------------
+
+Fetch = Callable[[str, str], Awaitable[Mapping[str, Any] | None]]
+
+
+class JobAnnotations:
+    """The PyTorchJob's annotations, cached for ``ttl`` seconds per job."""
+
+    def __init__(self, fetch: Fetch, ttl: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._fetch = fetch
+        self._ttl = ttl
+        self._clock = clock
+        self._cache: dict[tuple[str, str], tuple[float, dict[str, str]]] = {}
+
+    async def get(self, namespace: str, name: str) -> tuple[dict[str, str] | None, str | None]:
+        """(annotations, None), or (None, why not) when the job cannot be read."""
+        key = (namespace, name)
+        hit = self._cache.get(key)
+        if hit and self._clock() - hit[0] < self._ttl:
+            return hit[1], None
+        try:
+            job = await self._fetch(namespace, name)
+        except Exception as exc:  # noqa: BLE001 — any failure means: admit the pod as it is
+            return None, f"could not read {JOB_KIND} {namespace}/{name} ({type(exc).__name__}: {exc})"
+        if job is None:
+            return None, f"{JOB_KIND} {namespace}/{name} not found"
+        annotations = dict((job.get("metadata") or {}).get("annotations") or {})
+        now = self._clock()
+        if len(self._cache) > 1024:  # forget finished jobs
+            self._cache = {k: v for k, v in self._cache.items() if now - v[0] < self._ttl}
+        self._cache[key] = (now, annotations)
+        return annotations, None
+
+
+def kubernetes_fetch(timeout: float = 2.0) -> Fetch:
+    """A fetch through the official client: in-cluster credentials, else ``$KUBECONFIG``. The
+    client is built on first use, so a missing configuration is a failed lookup (the pod is
+    admitted unchanged), never a failed operator start-up."""
+    from kubernetes import client, config
+
+    apis: list[Any] = []
+
+    def api() -> Any:
+        if not apis:
+            configuration = client.Configuration()
+            if os.environ.get("KUBERNETES_SERVICE_HOST"):
+                config.load_incluster_config(client_configuration=configuration)
+            else:
+                config.load_kube_config(config_file=os.environ.get("KUBECONFIG"),
+                                        client_configuration=configuration)
+            configuration.retries = 0
+            apis.append(client.CustomObjectsApi(client.ApiClient(configuration)))
+        return apis[0]
+
+    def get(namespace: str, name: str) -> Mapping[str, Any] | None:
+        try:
+            return api().get_namespaced_custom_object(JOB_GROUP, JOB_VERSION, namespace, JOB_PLURAL, name,
+                                                      _request_timeout=timeout)
+        except client.exceptions.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def fetch(namespace: str, name: str) -> Mapping[str, Any] | None:
+        return await asyncio.wait_for(asyncio.to_thread(get, namespace, name), timeout + 0.5)
+
+    return fetch
+
+
+def server_from_env(env: Mapping[str, str]) -> kopf.WebhookServer:
+    """HTTPS with the chart's certificate (``SDCGUARD_WEBHOOK_CERT_DIR``/tls.crt, tls.key; kopf
+    reloads it when cert-manager renews it); without one, plain HTTP on localhost for development
+    (the API server cannot call it, so pods are admitted unchanged — failurePolicy Ignore)."""
+    port = int(env.get("SDCGUARD_WEBHOOK_PORT") or 9443)
+    cert_dir = env.get("SDCGUARD_WEBHOOK_CERT_DIR")
+    if cert_dir:
+        return kopf.WebhookServer(addr=env.get("SDCGUARD_WEBHOOK_ADDR") or "0.0.0.0", port=port,
+                                  certfile=os.path.join(cert_dir, "tls.crt"),
+                                  pkeyfile=os.path.join(cert_dir, "tls.key"))
+    log.warning("sdcguard webhook: SDCGUARD_WEBHOOK_CERT_DIR is not set; serving plain HTTP on 127.0.0.1 "
+                "(development only: the API server cannot call it)")
+    return kopf.WebhookServer(addr="127.0.0.1", port=int(env["SDCGUARD_WEBHOOK_PORT"]) if env.get(
+        "SDCGUARD_WEBHOOK_PORT") else None, insecure=True)
+
+
+# --- kopf wiring -----------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class _Runtime:
+    jobs: JobAnnotations | None = None
+    sidecar: SidecarSettings = field(default_factory=SidecarSettings)
+
+
+_runtime = _Runtime()
+
+
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    """Startup: the admission server (kopf refuses to start with admission handlers and none),
+    the sidecar settings and the job reader. The webhook configuration is the chart's, not
+    kopf's (``managed`` stays None): the operator needs no RBAC on webhook configurations."""
+    settings.admission.server = server_from_env(os.environ)
+    _runtime.sidecar = SidecarSettings.from_env(os.environ)
+    _runtime.jobs = JobAnnotations(kubernetes_fetch(float(os.environ.get("SDCGUARD_WEBHOOK_LOOKUP_TIMEOUT") or 2.0)))
+
+
+async def mutate_pod(body: kopf.Body, patch: kopf.Patch, warnings: list[str], logger: logging.Logger,
+                     **_: Any) -> None:
+    """Admission of a pod of a Kubeflow job: look the job up, then let :func:`mutated` decide."""
+    pod = dict(body)
+    name = body.metadata.labels.get(JOB_LABEL, "")
+    annotations, problem = (None, "sdcguard webhook is not configured") if _runtime.jobs is None else \
+        await _runtime.jobs.get(body.metadata.namespace or "default", name)
+    if problem:
+        logger.warning(f"sdcguard: {problem}; using the pod's own annotations only")
+        warnings.append(f"sdcguard: {problem}; using the pod's own annotations only")
+    result, notes = mutated(pod, annotations, _runtime.sidecar)
+    warnings.extend(notes)
+    if result is not None:
+        patch.fns.append(functools.partial(_become, result))  # kopf diffs it into a JSONPatch
+
+
+def _become(result: Mapping[str, Any], target: dict[str, Any]) -> None:
+    """A kopf patch function: turn kopf's copy of the pod into ``result``."""
+    target.clear()
+    target.update(copy.deepcopy(dict(result)))
+
+
+def register(registry: kopf.OperatorRegistry) -> None:
+    """Register the handlers; on import with kopf's default registry, in tests with a fresh one."""
+    kopf.on.startup(registry=registry, id="sdcguard-webhook-configure")(configure)
+    kopf.on.mutate("", "v1", "pods", registry=registry, id=HANDLER_ID, operations=["CREATE"],
+                   ignore_failures=True, side_effects=False,
+                   labels={JOB_LABEL: kopf.PRESENT})(mutate_pod)
+
+
+register(kopf.get_default_registry())

@@ -1,0 +1,333 @@
+"""The Helm chart, the plain manifests, the example objects, the IAM policy and the image recipes.
+
+Real tools only: `helm lint` / `helm template` (v4, installed by `make tools`), the output checked
+with `kubernetes-validate --strict`, the examples with the CRDs' own openAPIV3Schema (via
+jsonschema), the webhook's real mutation applied to the example job's pod templates.
+"""
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+import sdcguard_operator.webhook as webhook
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "sdcguard"
+DEPLOY = ROOT / "deploy"
+HELM = shutil.which("helm") or str(ROOT / ".venv" / "bin" / "helm")
+K8S_VERSION = "1.32.0"
+
+pytestmark = pytest.mark.timeout(120)
+
+VALUE_SETS: dict[str, list[str]] = {
+    "default": [],
+    "irsa-cert-manager-monitors": [
+        "--set", "serviceAccount.irsaRoleArn=arn:aws:iam::123456789012:role/sdcguard",
+        "--set", "webhook.tls.mode=cert-manager",
+        "--set", "webhook.tls.certManager.issuerRef.name=corp-ca,webhook.tls.certManager.issuerRef.kind=ClusterIssuer",
+        "--set", "metrics.serviceMonitor.enabled=true,metrics.podMonitor.enabled=true",
+        "--set", "operator.clusterName=ml-cluster,operator.awsRegion=us-west-2",
+        "--set", "operator.namespaces={ml,research},operator.logLevel=DEBUG",
+    ],
+    "own-secret-renamed": [
+        "--set", "webhook.tls.mode=secret,webhook.tls.existingSecret=my-tls",
+        "--set", "webhook.tls.caBundle=" + base64.b64encode(b"-----BEGIN CERTIFICATE-----").decode(),
+        "--set", "fullnameOverride=guard,approver.name=guard-approver",
+        "--set-json", "operator.deepHealthChecks=[]",
+    ],
+    "no-webhook-no-rbac": [
+        "--set", "webhook.enabled=false,rbac.create=false,approver.create=false",
+        "--set", "serviceAccount.create=false,serviceAccount.name=existing",
+    ],
+}
+
+
+def helm(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([HELM, *args], capture_output=True, text=True, timeout=60)
+
+
+def render(args: list[str], namespace: str = "sdcguard") -> list[dict[str, Any]]:
+    done = helm("template", "sdcguard", str(CHART), "--namespace", namespace, "--include-crds", *args)
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    return {name: render(args) for name, args in VALUE_SETS.items()}
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_chart_lints_and_renders_valid_kubernetes_objects(name: str, tmp_path: Path) -> None:
+    lint = helm("lint", "--strict", str(CHART), *VALUE_SETS[name])
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    done = helm("template", "sdcguard", str(CHART), "--namespace", "sdcguard", "--include-crds", *VALUE_SETS[name])
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "rendered.yaml"
+    out.write_text(done.stdout)
+    check = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "-k", K8S_VERSION, str(out)],
+                           capture_output=True, text=True, timeout=120)
+    if check.returncode != 0 and "No module named kubernetes_validate" in check.stderr:
+        check = subprocess.run([shutil.which("kubernetes-validate") or "kubernetes-validate", "--strict", "-k",
+                                K8S_VERSION, str(out)], capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "ERROR" not in check.stdout
+    passed = re.findall(r"passed for resource (\S+)", check.stdout)
+    assert any(p.startswith("deployment/") for p in passed)
+
+
+def test_values_schema_rejects_bad_settings() -> None:
+    for bad in ("webhook.tls.mode=bogus", "operator.maxConcurrentSuspectNodes=-1", "webhook.timeoutSeconds=31",
+                "operator.deepHealthChecks={Reboot}", "serviceAccount.irsaRoleArn=not-an-arn", "typo=1"):
+        done = helm("template", "x", str(CHART), "--set", bad)
+        assert done.returncode != 0, f"{bad} was accepted"
+
+
+def test_webhook_configuration_matches_the_server_and_never_blocks_pods(rendered: dict[str, Any]) -> None:
+    docs = rendered["default"]
+    [mwc] = by_kind(docs, "MutatingWebhookConfiguration")
+    [hook] = mwc["webhooks"]
+    assert hook["failurePolicy"] == "Ignore" and hook["sideEffects"] == "None"
+    assert hook["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"],
+                              "operations": ["CREATE"], "scope": "Namespaced"}]
+    assert hook["objectSelector"]["matchExpressions"] == [{"key": webhook.JOB_LABEL, "operator": "Exists"}]
+    assert "sdcguard" in hook["namespaceSelector"]["matchExpressions"][0]["values"]
+    svc_ref = hook["clientConfig"]["service"]
+    assert svc_ref["path"] == f"/{webhook.HANDLER_ID}"  # kopf serves the handler at its id
+    [service] = by_kind(docs, "Service")
+    assert service["metadata"]["name"] == svc_ref["name"]
+    port = next(p for p in service["spec"]["ports"] if p["port"] == svc_ref["port"])
+    [deployment] = by_kind(docs, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    [operator] = pod["containers"]
+    assert port["targetPort"] in [p["name"] for p in operator["ports"]]
+    env = {e["name"]: e.get("value") for e in operator["env"]}
+    assert env["SDCGUARD_WEBHOOK_CERT_DIR"] in [m["mountPath"] for m in operator["volumeMounts"]]
+    assert env["SDCGUARD_SIDECAR_IMAGE"] == "ghcr.io/sdcguard/sdcguard-agent:0.1.0"
+    assert operator["livenessProbe"]["httpGet"]["port"] == "health" and operator["readinessProbe"]
+    assert operator["resources"]["requests"] and deployment["spec"]["replicas"] == 1
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_self_signed_certificate_is_valid_for_the_service_and_matches_the_ca_bundle(rendered: dict[str, Any]) -> None:
+    from cryptography import x509
+
+    docs = rendered["default"]
+    [secret] = by_kind(docs, "Secret")
+    [mwc] = by_kind(docs, "MutatingWebhookConfiguration")
+    ca_pem = base64.b64decode(mwc["webhooks"][0]["clientConfig"]["caBundle"])
+    assert ca_pem == base64.b64decode(secret["data"]["ca.crt"])
+    ca = x509.load_pem_x509_certificate(ca_pem)
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    cert.verify_directly_issued_by(ca)
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    service = mwc["webhooks"][0]["clientConfig"]["service"]
+    assert f"{service['name']}.{service['namespace']}.svc" in names
+    [deployment] = by_kind(docs, "Deployment")
+    volumes = deployment["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "webhook-tls", "secret": {"secretName": secret["metadata"]["name"]}} in volumes
+
+
+def test_other_value_sets_render_what_they_ask_for(rendered: dict[str, Any]) -> None:
+    irsa = rendered["irsa-cert-manager-monitors"]
+    [sa] = by_kind(irsa, "ServiceAccount")
+    assert sa["metadata"]["annotations"]["eks.amazonaws.com/role-arn"] == "arn:aws:iam::123456789012:role/sdcguard"
+    [cert] = by_kind(irsa, "Certificate")
+    assert cert["spec"]["issuerRef"] == {"name": "corp-ca", "kind": "ClusterIssuer"} and not by_kind(irsa, "Issuer")
+    [mwc] = by_kind(irsa, "MutatingWebhookConfiguration")
+    assert mwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == f"sdcguard/{cert['metadata']['name']}"
+    assert "caBundle" not in mwc["webhooks"][0]["clientConfig"] and not by_kind(irsa, "Secret")
+    assert by_kind(irsa, "ServiceMonitor") and by_kind(irsa, "PodMonitor")
+    env = {e["name"]: e.get("value") for e in by_kind(irsa, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert (env["SDCGUARD_CLUSTER_NAME"], env["SDCGUARD_REGION"], env["SDCGUARD_NAMESPACES"]) == (
+        "ml-cluster", "us-west-2", "ml,research")
+    assert "eks.amazonaws.com/role-arn" not in (by_kind(rendered["default"], "ServiceAccount")[0]["metadata"]
+                                                .get("annotations") or {})
+
+    own = rendered["own-secret-renamed"]
+    [deployment] = by_kind(own, "Deployment")
+    assert deployment["metadata"]["name"] == "guard-operator"
+    assert {"name": "webhook-tls", "secret": {"secretName": "my-tls"}} in deployment["spec"]["template"]["spec"]["volumes"]
+    assert not by_kind(own, "Secret") and not by_kind(own, "Certificate")
+    assert {d["metadata"]["name"] for d in by_kind(own, "ClusterRole")} == {"guard-operator", "guard-approver"}
+
+    bare = rendered["no-webhook-no-rbac"]
+    assert not by_kind(bare, "MutatingWebhookConfiguration") and not by_kind(bare, "ClusterRole")
+    assert not by_kind(bare, "ServiceAccount")
+    spec = by_kind(bare, "Deployment")[0]["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == "existing"
+    assert "SDCGUARD_WEBHOOK_CERT_DIR" not in {e["name"] for e in spec["containers"][0]["env"]}
+
+
+def test_operator_environment_names_are_ones_the_code_reads(rendered: dict[str, Any]) -> None:
+    sources = "".join(p.read_text() for p in (ROOT / "operator").glob("*.py"))
+    [deployment] = by_kind(rendered["irsa-cert-manager-monitors"], "Deployment")
+    names = {e["name"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    unread = sorted(n for n in names if f'"{n}"' not in sources)
+    assert unread == []
+
+
+def _readme_rbac_table(title_line: str) -> set[tuple[str, str, str]]:
+    text = (CHART / "README.md").read_text()
+    section = text.split(title_line, 1)[1]
+    rows: set[tuple[str, str, str]] = set()
+    for line in section.splitlines()[2:]:
+        if not line.startswith("|"):
+            if rows:
+                break
+            continue
+        cells = [c.strip().strip("`") for c in line.strip("|").split("|")]
+        if cells[0] in ("apiGroup", "---"):
+            continue
+        for verb in cells[2].replace("`", "").split(","):
+            rows.add((cells[0].strip('"'), cells[1], verb.strip()))
+    return rows
+
+
+def _granted(role: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+            for v in rule["verbs"]}
+
+
+def test_every_granted_verb_is_justified_in_the_chart_readme(rendered: dict[str, Any]) -> None:
+    roles = {r["metadata"]["name"]: r for r in by_kind(rendered["default"], "ClusterRole")}
+    operator_role, approver_role = roles["sdcguard-operator"], roles["sdcguard-approver"]
+    assert _granted(operator_role) == _readme_rbac_table("grants exactly these verbs")
+    assert _granted(approver_role) == _readme_rbac_table("ClusterRole (`approver.create`) is for people:")
+    assert not any(v in ("delete", "update", "*") for _, _, v in _granted(operator_role))
+    assert ("sdcguard.dev", "nodereplacements", "patch") in _granted(approver_role)
+
+
+def test_chart_crds_and_plain_manifests_do_not_drift(tmp_path: Path) -> None:
+    """`make manifests` (deploy/render.sh) output must equal what is committed."""
+    sources = sorted(p.name for p in (DEPLOY / "crds").glob("*.yaml"))
+    assert sources == ["nodereplacement.yaml", "sdcincident.yaml"]
+    env = {"PATH": f"{Path(HELM).parent}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    done = subprocess.run([str(DEPLOY / "render.sh"), str(tmp_path)], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    for name in sources:
+        assert (CHART / "crds" / name).read_bytes() == (DEPLOY / "crds" / name).read_bytes(), \
+            f"charts/sdcguard/crds/{name} differs from deploy/crds/{name}: run make manifests"
+    assert sorted(p.name for p in (CHART / "crds").iterdir()) == sources
+    assert (tmp_path / "deploy" / "sdcguard.yaml").read_text() == (DEPLOY / "sdcguard.yaml").read_text(), \
+        "deploy/sdcguard.yaml is stale: run make manifests"
+    plain = [d for d in yaml.safe_load_all((DEPLOY / "sdcguard.yaml").read_text()) if d]
+    assert not by_kind(plain, "Secret")  # no private key in a committed manifest
+    for doc in plain:
+        if doc["apiVersion"].startswith(("cert-manager.io", "monitoring.coreos.com")):
+            continue
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def crd_validator(crd_file: Path) -> jsonschema.Draft7Validator:
+    """The CRD's openAPIV3Schema as JSON Schema; fields the schema does not declare are errors
+    (the API server would prune them silently: in an example that is a typo)."""
+    crd = yaml.safe_load(crd_file.read_text())
+    schema = copy.deepcopy(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+
+    def convert(node: Any) -> Any:
+        if isinstance(node, list):
+            return [convert(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: convert(v) for k, v in node.items() if not k.startswith("x-kubernetes-") and k != "nullable"}
+        if node.get("nullable") and "type" in out:
+            out["type"] = [out["type"], "null"]
+        if "properties" in node and "additionalProperties" not in node and not node.get(
+                "x-kubernetes-preserve-unknown-fields") and node is not schema["properties"].get("metadata"):
+            out["additionalProperties"] = False
+        return out
+
+    converted = convert(schema)
+    converted["properties"]["metadata"] = {"type": "object"}
+    return jsonschema.Draft7Validator(converted, format_checker=jsonschema.FormatChecker())
+
+
+@pytest.mark.parametrize("example, crd", [("sdcincident.yaml", "sdcincident.yaml"),
+                                          ("nodereplacement.yaml", "nodereplacement.yaml")])
+def test_example_objects_follow_the_crd_schemas(example: str, crd: str) -> None:
+    validator = crd_validator(DEPLOY / "crds" / crd)
+    obj = yaml.safe_load((DEPLOY / "examples" / example).read_text())
+    errors = [f"{list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(obj)]
+    assert errors == []
+    broken = copy.deepcopy(obj)
+    broken["spec"]["typo"] = 1
+    broken["spec"].pop(next(iter(validator.schema["properties"]["spec"]["required"])))
+    assert len(list(validator.iter_errors(broken))) == 2  # the validator is not vacuous
+
+
+def test_example_pytorchjob_is_enabled_and_its_mutated_pods_are_valid() -> None:
+    job = yaml.safe_load((DEPLOY / "examples" / "pytorchjob.yaml").read_text())
+    annotations = job["metadata"]["annotations"]
+    how, warnings = webhook.plan(job["metadata"]["name"], annotations)
+    assert how is not None and warnings == []
+    for replica, spec in job["spec"]["pytorchReplicaSpecs"].items():
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": f"{job['metadata']['name']}-{replica.lower()}-0", "namespace": job["metadata"]["namespace"],
+            "labels": {webhook.JOB_LABEL: job["metadata"]["name"]}}, "spec": spec["template"]["spec"]}
+        mutated, notes = webhook.mutated(pod, annotations, webhook.SidecarSettings())
+        assert mutated is not None and notes == []
+        kubernetes_validate.validate(mutated, K8S_VERSION, strict=True)
+
+
+def test_iam_policy_allows_exactly_the_sagemaker_actions_the_operator_calls() -> None:
+    policy = json.loads((DEPLOY / "iam-policy.json").read_text())
+    called = set(re.findall(r'_call\(settings, "(\w+)"', (ROOT / "operator" / "hyperpod.py").read_text()))
+    assert called, "operator/hyperpod.py makes no SageMaker calls?"
+    [statement] = policy["Statement"]
+    assert statement["Effect"] == "Allow"
+    assert set(statement["Action"]) == {f"sagemaker:{a}" for a in called}
+    assert re.fullmatch(r"arn:aws:sagemaker:[A-Z_]+:[A-Z_]+:cluster/[A-Z_]+", statement["Resource"])
+
+
+@pytest.mark.parametrize("dockerfile, requirements, module", [
+    ("Dockerfile.agent", "agent-requirements.txt", "sdcguard.sidecar"),
+    ("Dockerfile.operator", "operator-requirements.txt", "sdcguard_operator"),
+])
+def test_images_are_pinned_multi_stage_non_root_and_torch_free(dockerfile: str, requirements: str, module: str) -> None:
+    text = (ROOT / dockerfile).read_text()
+    bases = re.findall(r"^ARG PYTHON_IMAGE=(\S+)$", text, re.M)
+    assert len(bases) == 1 and re.fullmatch(r"python:\d+\.\d+\.\d+-slim-\w+", bases[0])
+    assert len(re.findall(r"^FROM ", text, re.M)) == 2 and "COPY --from=build" in text
+    users = re.findall(r"^USER (\S+)$", text, re.M)
+    assert users and all(u.split(":")[0] not in ("0", "root") for u in users)
+    assert f"deploy/images/{requirements}" in text and module in text
+    pins = [line for line in (DEPLOY / "images" / requirements).read_text().splitlines()
+            if line and not line.startswith("#")]
+    assert all(re.fullmatch(r"[A-Za-z0-9_.-]+==[A-Za-z0-9_.+-]+", p) for p in pins)
+    names = {p.split("==")[0].lower().replace("_", "-") for p in pins}
+    assert "torch" not in names and "numpy" not in names
+    assert {"kubernetes", "prometheus-client"} <= names
+    if module == "sdcguard_operator":
+        assert {"kopf", "boto3"} <= names
+
+
+def test_notes_tell_the_next_steps() -> None:
+    def notes(*args: str) -> str:
+        done = helm("install", "sdcguard", str(CHART), "--namespace", "sdcguard", "--dry-run=client", *args)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split("NOTES:", 1)[1]
+
+    plain = notes()
+    assert "AWS access (HyperPod health checks and node replacement) is NOT configured" in plain
+    assert 'sdcguard.dev/enabled: "true"' in plain and "--clusterrole=sdcguard-approver" in plain
+    with_role = notes("--set", "serviceAccount.irsaRoleArn=arn:aws:iam::123456789012:role/sdc")
+    assert "assumes arn:aws:iam::123456789012:role/sdc (IRSA)" in with_role
+    assert "webhook is disabled" in notes("--set", "webhook.enabled=false")

@@ -1,0 +1,304 @@
+"""The sidecar (`sdcguard sidecar`, SPEC §4/§7) as a real process against kmock over HTTP.
+
+Records are written by the library's own spool writer; Events are read back through the official
+client. "API server down" is a real outage: the sidecar's kubeconfig points at a port where
+nothing listens until a TCP proxy to the emulator is opened there.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+import kubernetes
+import pytest
+
+from kube_emulator import start_emulator, write_kubeconfig
+from sdcguard import alarm, events, spool
+from sdcguard.sidecar import Backoff
+from sdcguard.stats import CheckStats
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def kube(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    with start_emulator(tmp_path_factory.mktemp("kube")) as running:
+        yield running
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def record(alarm_id: str, *, namespace: str, check: str = alarm.CHECK_REPLAY, step: int = 40,
+           suspects: list[int] = [3]) -> dict[str, Any]:
+    identities = {r: {"rank": r, "pod": f"llm-worker-{r // 2}", "node": f"hyperpod-i-0{r // 2:016x}"}
+                  for r in range(6)}
+    return alarm.make_alarm(
+        alarm_id=alarm_id, job={"kind": "PyTorchJob", "name": "llm", "namespace": namespace},
+        check=check, step=step, suspect_ranks=suspects, identities=identities, ambiguous=False,
+        reporter_rank=0, evidence={"pairs": [[3, 5]]}, last_verified_step=step - 1,
+        last_good_checkpoint="checkpoint-19.pt")
+
+
+class Sidecar:
+    """`python -m sdcguard.cli sidecar ...` with short intervals; its log is kept for assertions."""
+
+    def __init__(self, spool_dir: Path, kubeconfig: Path) -> None:
+        self.port = free_port()
+        self.log = spool_dir.parent / f"sidecar-{self.port}.log"
+        env = {**os.environ, "POD_NAME": "llm-worker-0", "POD_NAMESPACE": "fallback", "NODE_NAME": "node-a"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sdcguard.cli", "sidecar", "--spool", str(spool_dir), "--kubeconfig",
+             str(kubeconfig), "--metrics-host", "127.0.0.1", "--metrics-port", str(self.port),
+             "--poll-interval", "0.2", "--backoff-initial", "0.2", "--backoff-max", "0.8", "--settle", "0.5",
+             "--drain", "2"],
+            env=env, stdout=subprocess.DEVNULL, stderr=open(self.log, "w"))
+        wait_for(lambda: self.get("/healthz")[0] == 200, "sidecar HTTP endpoint")
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=2) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, ""
+        except OSError:
+            return 0, ""
+
+    def metric(self, sample: str) -> float | None:
+        for line in self.get("/metrics")[1].splitlines():
+            if line.startswith(sample + " "):
+                return float(line.rsplit(" ", 1)[1])
+        return None
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(15)
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+
+def wait_for(condition: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = condition()
+        if result:
+            return result
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def alarm_events(kube: Any, namespace: str) -> list[Any]:
+    api = kubernetes.client.CoreV1Api(kube.api_client())
+    return [e for e in api.list_namespaced_event(namespace).items if e.reason == events.REASON]
+
+
+def published(spool_dir: Path) -> list[str]:
+    d = spool_dir / "published"
+    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+
+def test_publishes_each_record_once_quarantines_corrupt_files_and_exports_stats(kube: Any, tmp_path: Path) -> None:
+    spool_dir = tmp_path / "spool"
+    replay = record("job1-replay-step40", namespace="ml")
+    reduced = record("job1-nonfinite-reduced-step41", namespace="ml", check=alarm.CHECK_NONFINITE_REDUCED,
+                     step=41, suspects=[])
+    spool.write_alarm(spool_dir, replay)
+    spool.write_alarm(spool_dir, reduced)
+    (spool_dir / "broken.alarm.json").write_text('{"schema": "sdcguard.dev/alarm/v1", "id": ')
+    # A writer that does not rename atomically is still writing this one (it keeps changing):
+    late = record("job1-weights-step42", namespace="ml", check=alarm.CHECK_WEIGHTS, step=42)
+    growing = spool_dir / "late.alarm.json"
+    growing.write_text(alarm.dumps(late)[:50])
+    os.utime(growing, (time.time() + 60, time.time() + 60))
+    stats = CheckStats({"rank": 0, "pod": "llm-worker-0", "node": "node-a"}, None)
+    stats.steps, stats.last_step, stats.last_verified_step = 41, 41, 39
+    stats.runs, stats.seconds = {"replay": 4, "weights": 9}, {"replay": 1.5, "weights": 0.25}
+    stats.flush(str(spool_dir), force=True)
+
+    sidecar = Sidecar(spool_dir, kube.kubeconfig)
+    try:
+        wait_for(lambda: len(published(spool_dir)) == 2 and (spool_dir / "quarantine").is_dir(), "publishing")
+        got = {e.metadata.name: e for e in alarm_events(kube, "ml")}
+        assert set(got) == {events.event_name(replay["id"]), events.event_name(reduced["id"])}
+        first = got[events.event_name(replay["id"])]
+        assert first.type == "Warning" and first.source.component == "sdcguard-agent"
+        assert first.involved_object.kind == "Pod" and first.involved_object.name == "llm-worker-1"
+        assert alarm.loads(first.metadata.annotations[events.ANNOTATION]) == replay
+        assert "check replay at step 40" in first.message and "\n" not in first.message
+        second = got[events.event_name(reduced["id"])]
+        assert second.involved_object.name == "llm-worker-0"  # no suspect: the reporter's pod
+        assert (spool_dir / "quarantine" / "broken.alarm.json").exists()
+        assert "quarantined corrupt spool file broken.alarm.json" in sidecar.output()
+        assert spool.list_alarms(spool_dir) == [growing]  # not quarantined while it changes
+        growing.write_text(alarm.dumps(late))
+        wait_for(lambda: len(published(spool_dir)) == 3, "the completed record")
+        assert events.event_name(late["id"]) in {e.metadata.name for e in alarm_events(kube, "ml")}
+        assert spool.list_alarms(spool_dir) == []
+
+        # A crash after the Event was created but before the file moved: the retry collides (409).
+        spool.write_alarm(spool_dir, replay)
+        wait_for(lambda: len(published(spool_dir)) == 4, "the retried record to be set aside")
+        assert len(alarm_events(kube, "ml")) == 3
+        assert "already exists" in sidecar.output()
+
+        assert sidecar.metric('sdcguard_sidecar_alarms_published_total{check="replay"}') == 1.0
+        assert sidecar.metric('sdcguard_sidecar_alarms_published_total{check="nonfinite-reduced"}') == 1.0
+        assert sidecar.metric('sdcguard_sidecar_alarms_published_total{check="weights"}') == 1.0
+        assert sidecar.metric("sdcguard_sidecar_alarms_already_published_total") == 1.0
+        assert sidecar.metric("sdcguard_sidecar_alarms_quarantined_total") == 1.0
+        assert sidecar.metric("sdcguard_sidecar_spool_backlog") == 0.0
+        assert sidecar.metric('sdcguard_checks_total{check="replay",rank="0"}') == 4.0
+        assert sidecar.metric('sdcguard_check_seconds_total{check="weights",rank="0"}') == 0.25
+        assert sidecar.metric('sdcguard_last_verified_step{rank="0"}') == 39.0
+        assert sidecar.metric('sdcguard_steps_total{rank="0"}') == 41.0
+        assert sidecar.get("/healthz")[0] == 200
+    finally:
+        assert sidecar.stop() == 0
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:port to a target: the API server "comes back" when this opens."""
+
+    def __init__(self, port: int, target: tuple[str, int]) -> None:
+        self.target = target
+        self.server = socket.create_server(("127.0.0.1", port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_records_written_while_the_api_server_is_down_are_published_once_it_returns(kube: Any, tmp_path: Path) -> None:
+    spool_dir = tmp_path / "spool"
+    port = free_port()
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{port}")
+    sidecar = Sidecar(spool_dir, kubeconfig)
+    proxy = None
+    try:
+        ids = [f"job2-weights-step{s}" for s in (10, 20, 30)]
+        for i, alarm_id in enumerate(ids):
+            spool.write_alarm(spool_dir, record(alarm_id, namespace="outage", check=alarm.CHECK_WEIGHTS,
+                                                step=10 * (i + 1)))
+            time.sleep(0.4)
+        wait_for(lambda: (sidecar.metric('sdcguard_sidecar_publish_errors_total{reason="unreachable"}') or 0) >= 2,
+                 "failed attempts while the API server is down")
+        assert len(spool.list_alarms(spool_dir)) == 3 and published(spool_dir) == []
+        wait_for(lambda: sidecar.metric("sdcguard_sidecar_spool_backlog") == 3.0, "the backlog gauge")
+        assert sidecar.get("/healthz")[0] == 200  # an outage is not a reason to restart the sidecar
+
+        proxy = TcpProxy(port, ("127.0.0.1", int(kube.url.rsplit(":", 1)[1])))
+        ids.append("job2-weights-step40")
+        spool.write_alarm(spool_dir, record(ids[-1], namespace="outage", check=alarm.CHECK_WEIGHTS, step=40))
+        wait_for(lambda: len(published(spool_dir)) == 4, "the backlog to be published")
+        names = sorted(e.metadata.name for e in alarm_events(kube, "outage"))
+        assert names == sorted(events.event_name(i) for i in ids)  # none lost, none twice
+        steps = sorted(json.loads(e.metadata.annotations[events.ANNOTATION])["step"]
+                       for e in alarm_events(kube, "outage"))
+        assert steps == [10, 20, 30, 40]
+        assert sidecar.metric('sdcguard_sidecar_alarms_published_total{check="weights"}') == 4.0
+        assert "it stays in the spool" in sidecar.output()
+    finally:
+        assert sidecar.stop() == 0
+        if proxy:
+            proxy.close()
+
+
+def test_an_event_the_api_server_rejects_is_quarantined_and_does_not_block_the_spool(
+        kube: Any, tmp_path: Path) -> None:
+    # The API server refuses this namespace's Events as invalid (422), e.g. an oversized annotation.
+    kube.emulator["post /api/v1/namespaces/rejecting/events"] << 422
+    spool_dir = tmp_path / "spool"
+    spool.write_alarm(spool_dir, record("job4-replay-step1", namespace="rejecting", step=1))
+    time.sleep(0.05)  # oldest first: the rejected record comes before the good one
+    spool.write_alarm(spool_dir, record("job4-replay-step2", namespace="accepting", step=2))
+    sidecar = Sidecar(spool_dir, kube.kubeconfig)
+    try:
+        wait_for(lambda: published(spool_dir) and (spool_dir / "quarantine").is_dir(), "both records handled")
+        assert published(spool_dir) == ["job4-replay-step2.alarm.json"]
+        assert [e.metadata.name for e in alarm_events(kube, "accepting")] == [events.event_name("job4-replay-step2")]
+        assert "rejected the Event for job4-replay-step1.alarm.json" in sidecar.output()
+        assert sidecar.metric('sdcguard_sidecar_publish_errors_total{reason="422"}') == 1.0
+    finally:
+        assert sidecar.stop() == 0
+
+
+def test_sigterm_drains_then_stops_leaving_unpublished_records_in_the_spool(tmp_path: Path) -> None:
+    spool_dir = tmp_path / "spool"
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{free_port()}")
+    sidecar = Sidecar(spool_dir, kubeconfig)
+    spool.write_alarm(spool_dir, record("job3-replay-step5", namespace="gone", step=5))
+    wait_for(lambda: "it stays in the spool" in sidecar.output(), "a failed attempt")
+    started = time.monotonic()
+    assert sidecar.stop() == 0
+    assert time.monotonic() - started < 10  # --drain 2: bounded by the pod's grace period
+    assert len(spool.list_alarms(spool_dir)) == 1  # kept for the next sidecar (same emptyDir)
+    lines = [json.loads(line) for line in sidecar.output().splitlines()]  # structured logs
+    assert any("stopping with 1 unpublished record(s)" in line["message"] and line["level"] == "ERROR"
+               for line in lines)
+
+
+def test_event_names_are_deterministic_valid_and_distinct() -> None:
+    import re
+
+    dns = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    ids = ["3f2a9c1b7e4d-1-replay-step40", "A/B c", "a-b-c", "x" * 400, "--"]
+    names = [events.event_name(i) for i in ids]
+    assert names == [events.event_name(i) for i in ids]
+    assert all(dns.match(n) and len(n) <= 253 for n in names)
+    assert len(set(names)) == len(names)
+
+
+def test_backoff_doubles_up_to_its_ceiling_and_resets() -> None:
+    import random
+
+    b = Backoff(0.5, 4.0, random.Random(1))
+    delays = [b.next() for _ in range(6)]
+    assert all(0.25 <= d <= 0.5 for d in delays[:1]) and all(2.0 <= d <= 4.0 for d in delays[3:])
+    b.reset()
+    assert b.next() <= 0.5
+
+
+def test_sidecar_never_imports_torch() -> None:
+    code = ("import sys, sdcguard.cli, sdcguard.sidecar, sdcguard.sidecar_metrics, sdcguard.events; "
+            "sdcguard.sidecar.build_parser(); "
+            "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
