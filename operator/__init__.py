@@ -1,0 +1,7 @@
+"""sdcguard's kopf operator: alarm Events -> incidents -> containment -> approval -> node replacement.
+
+Run with ``kopf run -m sdcguard_operator`` or ``sdcguard operator``.  Importing the package
+registers the handlers (``handlers``) and the pod mutating webhook (``webhook``).
+"""
+from . import handlers  # noqa: F401
+from . import webhook  # noqa: F401

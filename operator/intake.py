@@ -1,0 +1,75 @@
+"""Alarm intake: an Event with reason SilentDataCorruption becomes an SDCIncident, or is rejected.
+
+A rejection is logged with its reason, counted, reported as a Warning Event (on the operator's pod
+when it knows it, else on the alarm Event's involved pod) and touches nothing else.  The outcome is written to the
+alarm Event's ``sdcguard.dev/intake`` annotation.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import Any
+
+import kopf
+
+from . import incident, metrics, validate
+from .settings import Settings
+
+
+# Outcomes of Events handled by this process.  kopf records completion in the Event's annotations,
+# but an API server that reports no resourceVersion (the emulator) can deliver an Event again before
+# that patch is seen; this keeps a rejection from being counted and reported twice.
+_SEEN: collections.OrderedDict[str, str] = collections.OrderedDict()
+_SEEN_LIMIT = 10_000
+_seen_lock = threading.Lock()
+
+
+def handle(event: dict[str, Any], settings: Settings, logger: logging.Logger | logging.LoggerAdapter) -> str:
+    """Process one alarm Event; returns the outcome ("incident:<name>", "joined:<name>", "rejected:<reason>")."""
+    key = event["metadata"].get("uid") or f"{event['metadata'].get('namespace')}/{event['metadata']['name']}"
+    with _seen_lock:
+        if key in _SEEN:
+            return _SEEN[key]
+    outcome = _handle(event, settings, logger)
+    with _seen_lock:
+        _SEEN[key] = outcome
+        while len(_SEEN) > _SEEN_LIMIT:
+            _SEEN.popitem(last=False)
+    return outcome
+
+
+def _handle(event: dict[str, Any], settings: Settings, logger: logging.Logger | logging.LoggerAdapter) -> str:
+    event_name = event["metadata"]["name"]
+    try:
+        record = validate.parse(event, settings)
+        namespace, name = record["job"]["namespace"], incident.incident_name(record)
+        if incident.find(namespace, name) is not None:  # a duplicate: the fault was validated already
+            incident.join(namespace, name, record["id"], event_name)
+            metrics.ALARMS_ACCEPTED.labels("duplicate").inc()
+            logger.info(f"alarm {record['id']} joined incident {namespace}/{name}")
+            return f"joined:{name}"
+        validate.check_job(record)
+        validate.check_pods(record)
+        name, created = incident.open_or_join(record, event_name)
+    except validate.Rejected as rejected:
+        metrics.ALARMS_REJECTED.labels(rejected.reason).inc()
+        logger.warning(f"alarm Event {event_name} rejected: {rejected.reason}: {rejected.message}")
+        kopf.event(_report_target(event, settings), type="Warning", reason="AlarmRejected",
+                   message=f"alarm Event {event_name} rejected ({rejected.reason}): {rejected.message}"[:1000])
+        return f"rejected:{rejected.reason}"
+    metrics.ALARMS_ACCEPTED.labels("new" if created else "duplicate").inc()
+    logger.info(f"alarm {record['id']} -> incident {namespace}/{name} ({'new' if created else 'joined'})")
+    return f"{'incident' if created else 'joined'}:{name}"
+
+
+def _report_target(event: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    if settings.pod_name and settings.pod_namespace:
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": settings.pod_name, "namespace": settings.pod_namespace}}
+    # kopf never posts Events about Events: report on the alarm's involved object (a pod) instead.
+    involved = event.get("involvedObject") or {}
+    return {"apiVersion": involved.get("apiVersion") or "v1", "kind": involved.get("kind") or "Pod",
+            "metadata": {"name": involved.get("name") or "unknown",
+                         "namespace": involved.get("namespace") or event["metadata"].get("namespace"),
+                         "uid": involved.get("uid")}}

@@ -1,0 +1,119 @@
+"""``kubectl sdcguard``: approve or deny a NodeReplacement, list incidents, rank repeat offenders.
+
+Installed as the console script ``kubectl-sdcguard`` (kubectl finds plugins on PATH).  It drives
+the real ``kubectl`` (``$KUBECTL``, else ``kubectl`` on PATH), so the user's kubeconfig, context
+and credentials apply unchanged:
+
+    kubectl sdcguard approve NAME [--reason TEXT]   # spec.decision=Approved, who and why recorded
+    kubectl sdcguard deny NAME [--reason TEXT]      # spec.decision=Denied: the node is uncordoned
+    kubectl sdcguard incidents                      # every SDCIncident, newest last
+    kubectl sdcguard history                        # nodes / instances by number of incidents
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import getpass
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+
+class PluginError(Exception):
+    pass
+
+
+def kubectl(*args: str) -> str:
+    command = [os.environ.get("KUBECTL", "kubectl"), *args]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise PluginError(result.stderr.strip() or f"{' '.join(command)} failed")
+    return result.stdout
+
+
+def whoami() -> str:
+    """The kubeconfig user of the current context, and the local login, e.g. ``alice (kube: admin)``."""
+    try:
+        kube_user = kubectl("config", "view", "--minify", "-o", "jsonpath={.contexts[0].context.user}").strip()
+    except PluginError:
+        kube_user = ""
+    local = getpass.getuser()
+    return f"{local} (kube: {kube_user})" if kube_user else local
+
+
+def decide(name: str, decision: str, reason: str, by: str | None) -> str:
+    body = json.loads(kubectl("get", "nodereplacement", name, "-o", "json"))
+    already = ((body.get("status") or {}).get("decision") or {}).get("decision") or (body.get("spec") or {}).get("decision")
+    if already:
+        raise PluginError(f"nodereplacement {name} is already {already}: decisions are final")
+    patch = {"spec": {"decision": decision, "decidedBy": by or whoami(), "decisionReason": reason}}
+    kubectl("patch", "nodereplacement", name, "--type=merge", "-p", json.dumps(patch))
+    node = (body.get("spec") or {}).get("nodeName")
+    return f"nodereplacement {name} ({node}) {decision.lower()}"
+
+
+def incidents() -> list[dict[str, Any]]:
+    items = json.loads(kubectl("get", "sdcincidents", "--all-namespaces", "-o", "json")).get("items", [])
+    return sorted(items, key=lambda i: i["metadata"].get("creationTimestamp") or "")
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("   ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def incidents_table() -> str:
+    rows = [["NAMESPACE", "NAME", "JOB", "CHECK", "STEP", "SUSPECTS", "PHASE", "RESUME-FROM"]]
+    for item in incidents():
+        spec, status = item.get("spec") or {}, item.get("status") or {}
+        suspects = ",".join(s.get("node") or "?" for s in spec.get("suspects") or []) or "-"
+        rows.append([item["metadata"].get("namespace", ""), item["metadata"]["name"], spec.get("job", {}).get("name", ""),
+                     spec.get("check", ""), str(spec.get("step", "")), suspects, status.get("phase", ""),
+                     status.get("resumeFrom") or "-"])
+    return table(rows)
+
+
+def history_table() -> str:
+    """Repeat offenders: how many incidents named each node / instance."""
+    counts: collections.Counter[tuple[str, str]] = collections.Counter()
+    last: dict[tuple[str, str], str] = {}
+    for item in incidents():
+        nodes = (item.get("status") or {}).get("nodes") or {}
+        for suspect in (item.get("spec") or {}).get("suspects") or []:
+            node = suspect.get("node") or "?"
+            key = (node, (nodes.get(node) or {}).get("instanceId") or "-")
+            counts[key] += 1
+            last[key] = f"{item['metadata'].get('namespace')}/{item['metadata']['name']}"
+    rows = [["NODE", "INSTANCE", "INCIDENTS", "LAST-INCIDENT"]]
+    rows += [[node, instance, str(n), last[(node, instance)]] for (node, instance), n in counts.most_common()]
+    return table(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kubectl sdcguard", description="sdcguard incidents and node replacements")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for verb in ("approve", "deny"):
+        p = sub.add_parser(verb, help=f"{verb} a NodeReplacement (final)")
+        p.add_argument("name")
+        p.add_argument("--reason", default="", help="why (recorded in the status)")
+        p.add_argument("--by", default=None, help="who (default: local user and kubeconfig user)")
+    sub.add_parser("incidents", help="list SDCIncidents")
+    sub.add_parser("history", help="nodes and instances by number of incidents")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.command in ("approve", "deny"):
+            print(decide(args.name, "Approved" if args.command == "approve" else "Denied", args.reason, args.by))
+        elif args.command == "incidents":
+            print(incidents_table())
+        else:
+            print(history_table())
+    except PluginError as exc:
+        print(f"kubectl sdcguard: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""Prometheus metrics of the operator (SPEC §7), prefix ``sdcguard_``."""
+from __future__ import annotations
+
+import prometheus_client as prom
+
+ALARMS_ACCEPTED = prom.Counter("sdcguard_alarms_accepted_total",
+                               "Alarm Events accepted, by outcome (new incident or joined a duplicate)", ["outcome"])
+ALARMS_REJECTED = prom.Counter("sdcguard_alarms_rejected_total", "Alarm Events rejected, by reason", ["reason"])
+INCIDENTS = prom.Counter("sdcguard_incidents_total", "SDCIncidents opened", ["check"])
+NODES_CORDONED = prom.Counter("sdcguard_nodes_cordoned_total", "Nodes cordoned and labelled suspect")
+STORM_GUARD_HOLDS = prom.Counter("sdcguard_storm_guard_holds_total",
+                                 "Cordons held back because maxConcurrentSuspectNodes was reached")
+SUSPECT_NODES = prom.Gauge("sdcguard_suspect_nodes", "Nodes labelled sdcguard.dev/suspect=true (last count)")
+REPLACEMENTS = prom.Counter("sdcguard_replacements_total", "NodeReplacement phase transitions, by phase", ["phase"])
+AWS_CALLS = prom.Counter("sdcguard_aws_calls_total", "SageMaker calls made, by operation", ["operation"])
+AWS_ERRORS = prom.Counter("sdcguard_aws_call_errors_total", "SageMaker call errors, by operation and code",
+                          ["operation", "code"])
+
+_started = False
+
+
+def serve(port: int) -> None:
+    """Expose /metrics once per process (kopf may call startup handlers again after a restart)."""
+    global _started
+    if port and not _started:
+        prom.start_http_server(port)
+        _started = True

@@ -1,0 +1,106 @@
+"""The operator's settings: one place that turns environment variables into a typed object.
+
+The Helm chart sets these variables; every field names its variable so an error can say which one
+is wrong.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+DEEP_HEALTH_CHECKS = ("InstanceStress", "InstanceConnectivity")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class Settings:
+    cluster_name: str | None = None
+    """SDCGUARD_CLUSTER_NAME: HyperPod cluster, used when a node lacks the cluster-name label."""
+    region: str | None = None
+    """SDCGUARD_REGION (else AWS_REGION / AWS_DEFAULT_REGION): region of the SageMaker API."""
+    namespaces: tuple[str, ...] = ()
+    """SDCGUARD_NAMESPACES: comma-separated namespaces whose alarms are accepted; empty = all."""
+    max_concurrent_suspect_nodes: int = 2
+    """SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES: storm guard, nodes cordoned by sdcguard at once."""
+    suspend_jobs: bool = True
+    """SDCGUARD_SUSPEND_JOBS: set spec.runPolicy.suspend on the PyTorchJob of an incident."""
+    deep_health_checks: tuple[str, ...] = DEEP_HEALTH_CHECKS
+    """SDCGUARD_DEEP_HEALTH_CHECKS: comma-separated subset of InstanceStress,InstanceConnectivity;
+    empty = no health check (the replacement waits for approval straight away)."""
+    poll_seconds: float = 30.0
+    """SDCGUARD_POLL_SECONDS: how often open NodeReplacements are reconciled (AWS progress, decisions)."""
+    retry_seconds: float = 5.0
+    """SDCGUARD_RETRY_SECONDS: first delay after a throttled AWS call or a transient API error."""
+    retry_max_seconds: float = 300.0
+    """SDCGUARD_RETRY_MAX_SECONDS: cap of the exponential backoff."""
+    max_throttle_retries: int = 8
+    """SDCGUARD_MAX_THROTTLE_RETRIES: throttled attempts of one AWS action before giving up."""
+    storm_guard_recheck_seconds: float = 60.0
+    """SDCGUARD_STORM_GUARD_RECHECK_SECONDS: how often an incident held by the storm guard retries."""
+    metrics_port: int = 8080
+    """SDCGUARD_METRICS_PORT: Prometheus metrics port; 0 turns the endpoint off."""
+    pod_name: str | None = None
+    """POD_NAME / POD_NAMESPACE: the operator's own pod (downward API), for rejection Events."""
+    pod_namespace: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
+        env = os.environ if env is None else env
+        checks = _csv(env.get("SDCGUARD_DEEP_HEALTH_CHECKS", ",".join(DEEP_HEALTH_CHECKS)))
+        unknown = [c for c in checks if c not in DEEP_HEALTH_CHECKS]
+        if unknown:
+            raise ValueError(f"SDCGUARD_DEEP_HEALTH_CHECKS: unknown checks {unknown}; allowed: {DEEP_HEALTH_CHECKS}")
+        settings = cls(
+            cluster_name=env.get("SDCGUARD_CLUSTER_NAME") or None,
+            region=env.get("SDCGUARD_REGION") or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None,
+            namespaces=_csv(env.get("SDCGUARD_NAMESPACES", "")),
+            max_concurrent_suspect_nodes=_int(env, "SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES", 2),
+            suspend_jobs=_bool(env, "SDCGUARD_SUSPEND_JOBS", True),
+            deep_health_checks=checks,
+            poll_seconds=_float(env, "SDCGUARD_POLL_SECONDS", 30.0),
+            retry_seconds=_float(env, "SDCGUARD_RETRY_SECONDS", 5.0),
+            retry_max_seconds=_float(env, "SDCGUARD_RETRY_MAX_SECONDS", 300.0),
+            max_throttle_retries=_int(env, "SDCGUARD_MAX_THROTTLE_RETRIES", 8),
+            storm_guard_recheck_seconds=_float(env, "SDCGUARD_STORM_GUARD_RECHECK_SECONDS", 60.0),
+            metrics_port=_int(env, "SDCGUARD_METRICS_PORT", 8080),
+            pod_name=env.get("POD_NAME") or None,
+            pod_namespace=env.get("POD_NAMESPACE") or None,
+        )
+        if settings.max_concurrent_suspect_nodes < 0:
+            raise ValueError("SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES must be >= 0")
+        if settings.poll_seconds <= 0 or settings.retry_seconds <= 0:
+            raise ValueError("SDCGUARD_POLL_SECONDS and SDCGUARD_RETRY_SECONDS must be > 0")
+        return settings
+
+    def backoff(self, attempt: int) -> float:
+        """Delay before retry number ``attempt`` (1-based): exponential, capped."""
+        return min(self.retry_max_seconds, self.retry_seconds * 2 ** max(0, attempt - 1))
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    try:
+        return int(env.get(name, default))
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {env.get(name)!r}") from None
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    try:
+        return float(env.get(name, default))
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {env.get(name)!r}") from None
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    value = env.get(name)
+    if value is None or value == "":
+        return default
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be true or false, got {value!r}")

@@ -1,0 +1,362 @@
+"""A Kubernetes API emulator for tests: kmock's KubernetesEmulator, served over real HTTP.
+
+Usage (any test, any thread)::
+
+    from kube_emulator import start_emulator          # tests/ is on sys.path under pytest
+
+    kube = start_emulator(tmp_path)                    # serves http://127.0.0.1:<port> in a thread
+    kube.url                                           # "http://127.0.0.1:41234"
+    kube.kubeconfig                                    # path of a kubeconfig for kubectl, kopf, clients
+    kube.api_client()                                  # a kubernetes.client.ApiClient bound to it
+    kube.stop()
+
+or ``with start_emulator(tmp_path) as kube: ...``.  ``KUBECONFIG=kube.kubeconfig`` works for kubectl
+and for subprocesses (kopf, the sidecar).  Objects must be created through the API (objects put
+straight into the store emit no watch events).
+
+Registered resources (``RESOURCES``): core ``v1`` events, pods, nodes, namespaces, configmaps;
+``kubeflow.org/v1`` pytorchjobs; ``sdcguard.dev/v1`` sdcincidents (namespaced) and
+nodereplacements (cluster-scoped), both with the ``status`` subresource.
+
+Fixed here, server-side, because kmock 0.8 lacks them (see ../shared/TOOLING.md):
+``watch=True`` recognised; create answers 201; ``metadata.generateName`` honoured; ``uid``,
+``creationTimestamp``, ``kind``, ``apiVersion`` filled in; a new ``resourceVersion`` on every change
+(a JSON-patch ``test`` of a stale one answers 422, as kopf expects); core discovery says ``v1``;
+lists carry ``kind``/``apiVersion``; watch streams are served as JSON lines.
+Added: server-side printing (``kubectl get`` shows the printer columns of deploy/crds);
+equality field/label selectors on list and watch (``SELECTORS_HONOURED``); object requests
+are served straight from the store (kmock's reaction matching costs time proportional to all past
+requests, which a flood of Events turns into seconds per request).
+Still not emulated: set-based selectors, resourceVersion preconditions of
+merge patches, watching from a resourceVersion, PUT,
+admission webhooks, RBAC, /status isolation (a status patch may change spec too).
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import itertools
+import json
+import pathlib
+import secrets
+import threading
+import uuid
+from typing import Any, Callable
+
+import aiohttp.web
+import attrs
+import kmock
+from kmock._internal import enums, rendering
+
+ALL_VERBS = ("get", "list", "watch", "create", "update", "patch", "delete")
+
+#: Whether list/watch honour equality field and label selectors (a real API server does).  Set it
+#: to False to reproduce plain kmock, which ignores them (clients must filter on their own too).
+SELECTORS_HONOURED = True
+
+#: plural path -> (kind, namespaced, short names, subresources)
+RESOURCES: dict[str, tuple[str, bool, tuple[str, ...], tuple[str, ...]]] = {
+    "v1/events": ("Event", True, ("ev",), ()),
+    "v1/pods": ("Pod", True, ("po",), ("status",)),
+    "v1/nodes": ("Node", False, ("no",), ("status",)),
+    "v1/namespaces": ("Namespace", False, ("ns",), ()),
+    "v1/configmaps": ("ConfigMap", True, ("cm",), ()),
+    "kubeflow.org/v1/pytorchjobs": ("PyTorchJob", True, (), ("status",)),
+    "sdcguard.dev/v1/sdcincidents": ("SDCIncident", True, ("sdci",), ("status",)),
+    "sdcguard.dev/v1/nodereplacements": ("NodeReplacement", False, ("nrep",), ("status",)),
+}
+
+
+_FAST_ACTIONS = (enums.action.LIST, enums.action.FETCH, enums.action.CREATE, enums.action.UPDATE, enums.action.DELETE)
+
+
+@attrs.define(kw_only=True)
+class _DirectDispatch(kmock.KubernetesScaffold):
+    """Serve object requests straight from the store, skipping kmock's reaction matching.
+
+    kmock matches every request against views that re-scan all past requests, so each request
+    costs time proportional to the traffic so far; a flood of Events then slows everything down.
+    Placed after KubernetesEmulator in the MRO, so the emulator's own state handling still runs.
+    """
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        if request.resource is not None and request.resource.plural and request.action in _FAST_ACTIONS \
+                and request.subresource in (None, "status"):
+            serve = {enums.action.LIST: self._serve_list, enums.action.FETCH: self._serve_fetch,
+                     enums.action.CREATE: self._serve_create, enums.action.UPDATE: self._serve_update,
+                     enums.action.DELETE: self._serve_delete}[request.action]
+            payload = await serve(request)
+            columns = PRINTER_COLUMNS.get(str(request.resource.plural))
+            if columns and request.action in (enums.action.LIST, enums.action.FETCH) \
+                    and "as=Table" in request.headers.get("Accept", ""):
+                payload = _table(payload, columns)
+            return aiohttp.web.json_response(payload)
+        return await super()._handle(request)
+
+
+@attrs.define(kw_only=True)
+class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
+    """kmock's emulator with the gaps that break kopf, the official client and kubectl closed."""
+
+    _versions: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        if request.resource is not None and request.params.get("watch") in ("True", "1", "true"):
+            return await self._stream_watch(request)
+        if request.action == enums.action.CREATE and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {})
+            info = self.resources.get(request.resource)
+            if info is not None and info.kind:
+                group, version = request.resource.group, request.resource.version
+                request.data.setdefault("kind", info.kind)
+                request.data.setdefault("apiVersion", f"{group}/{version}" if group else version)
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = meta["generateName"] + secrets.token_hex(5)
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta.setdefault("creationTimestamp", _now())
+            meta["resourceVersion"] = str(next(self._versions))
+            if request.namespace and not meta.get("namespace"):
+                meta["namespace"] = request.namespace
+        elif request.action == enums.action.UPDATE and request.resource is not None:
+            self._bump_version(request)
+        response = await super()._handle(request)
+        if request.action == enums.action.CREATE and response.status == 200 and not response.prepared:
+            response.set_status(201)
+        return response
+
+    def _bump_version(self, request: rendering.Request) -> None:
+        """A new resourceVersion per change; a JSON-patch ``test`` of a stale one answers 422 (kopf relies on it)."""
+        version = str(next(self._versions))
+        if isinstance(request.data, dict):
+            request.data.setdefault("metadata", {})["resourceVersion"] = version
+        elif isinstance(request.data, list):
+            key = (request.resource, request.namespace, request.name)
+            current = self._objects[key].get("metadata", {}).get("resourceVersion") if key in self._objects else None
+            for op in request.data:
+                if op.get("op") == "test" and op.get("path") == "/metadata/resourceVersion" and op.get("value") != current:
+                    raise kmock.KubernetesError(status=422, reason="Invalid",
+                                                message=f"resourceVersion {op.get('value')} is stale ({current})")
+            request.data.append({"op": "add", "path": "/metadata/resourceVersion", "value": version})
+
+    async def _stream_watch(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        """Serve a watch as newline-delimited JSON (kubectl -w refuses octet-stream)."""
+        if not any(res == request.resource for res in self._get_resources()):
+            raise kmock.KubernetesResourceNotFoundError()
+        assert request._raw_request is not None
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request._raw_request)
+        try:
+            selected = _selector(request)
+            async for event in self._serve_watch(request):
+                if isinstance(event, dict) and selected(event.get("object") or {}):
+                    await response.write(json.dumps(event).encode() + b"\n")
+            await response.write_eof()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        return response
+
+    # Object look-ups by key: kmock's own scan all objects of all resources on every request.
+    def _stored(self, request: rendering.Request, namespace: str | None = None, name: str | None = None) -> Any:
+        key = (request.resource, namespace or request.namespace, name or request.name)
+        return self._objects._objects.get(key)
+
+    async def _serve_fetch(self, request: rendering.Request) -> rendering.Payload:
+        obj = self._stored(request)
+        if obj is None or obj.deleted:
+            raise kmock.KubernetesObjectNotFoundError()
+        return obj.raw
+
+    async def _serve_create(self, request: rendering.Request) -> rendering.Payload:
+        meta = request.data.get("metadata", {})
+        return self._stored(request, meta.get("namespace"), meta.get("name")).raw
+
+    async def _serve_update(self, request: rendering.Request) -> rendering.Payload:
+        return self._stored(request).last.raw
+
+    async def _serve_delete(self, request: rendering.Request) -> rendering.Payload:
+        return self._stored(request).last.raw
+
+    async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
+        payload = await super()._serve_version(request)
+        payload["groupVersion"] = payload["groupVersion"].lstrip("/")
+        return payload
+
+    async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
+        assert request.resource is not None
+        if not any(res == request.resource for res in self._get_resources()):
+            raise kmock.KubernetesResourceNotFoundError()
+        wanted = (request.resource.group, request.resource.version, request.resource.plural)
+        payload: dict[str, Any] = {"items": [
+            obj.raw for (res, namespace, _), obj in list(self._objects._objects.items())
+            if (res.group, res.version, res.plural) == wanted and not obj.deleted
+            and (request.namespace is None or namespace == request.namespace)]}
+        info = self.resources.get(request.resource)
+        kind = info.kind if info is not None and info.kind else "List"
+        group, version = request.resource.group, request.resource.version
+        selected = _selector(request)
+        payload["items"] = [item for item in payload["items"] if selected(item)]
+        payload["kind"] = f"{kind}List"
+        payload["apiVersion"] = f"{group}/{version}" if group else version
+        payload["metadata"] = {"resourceVersion": str(next(self._versions))}
+        return payload
+
+
+def _selector(request: rendering.Request) -> Callable[[dict[str, Any]], bool]:
+    """Equality-based ``fieldSelector`` / ``labelSelector`` (``a=b``, ``a==b``, ``a!=b``, ``key``), if honoured."""
+    if not SELECTORS_HONOURED:
+        return lambda obj: True
+    terms: list[tuple[Callable[[dict[str, Any]], Any], str, str | None]] = []
+    for param, getter in (("fieldSelector", _field), ("labelSelector", _label)):
+        for term in filter(None, (request.params.get(param) or "").split(",")):
+            key, op, value = (term.partition("!=") if "!=" in term else
+                              term.replace("==", "=").partition("=") if "=" in term else (term, "exists", None))
+            terms.append((lambda obj, g=getter, k=key.strip(): g(obj, k), op, value))
+    return lambda obj: all((get(obj) is not None) if op == "exists" else
+                           ((str(get(obj) or "") == value) == (op == "=")) for get, op, value in terms)
+
+
+def _field(obj: dict[str, Any], path: str) -> Any:
+    for part in path.split("."):
+        obj = obj.get(part) if isinstance(obj, dict) else None
+    return obj
+
+
+def _label(obj: dict[str, Any], key: str) -> Any:
+    return ((obj.get("metadata") or {}).get("labels") or {}).get(key)
+
+
+def _load_printer_columns() -> dict[str, list[dict[str, Any]]]:
+    """additionalPrinterColumns of the project's CRDs (deploy/crds), by plural."""
+    import yaml
+
+    columns = {}
+    for path in sorted((pathlib.Path(__file__).resolve().parents[1] / "deploy" / "crds").glob("*.yaml")):
+        crd = yaml.safe_load(path.read_text())
+        columns[crd["spec"]["names"]["plural"]] = crd["spec"]["versions"][0].get("additionalPrinterColumns", [])
+    return columns
+
+
+#: Server-side printing (``kubectl get`` asks for a Table) of our CRDs, as the API server does it.
+PRINTER_COLUMNS = _load_printer_columns()
+
+
+def _jsonpath(obj: Any, path: str) -> Any:
+    """The subset of JSONPath used by printer columns: ``.a.b``, ``.a[*].b``."""
+    values = [obj]
+    for part in path.strip(".").split("."):
+        name = part.removesuffix("[*]")
+        values = [v.get(name) if isinstance(v, dict) else None for v in values]
+        if part.endswith("[*]"):
+            values = [item for v in values if isinstance(v, list) for item in v]
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return ",".join(str(v) for v in values) if len(values) > 1 or isinstance(values[0], (dict, list)) else values[0]
+
+
+def _age(stamp: str | None) -> str:
+    if not stamp:
+        return "<unknown>"
+    then = datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
+    seconds = int((datetime.datetime.now(datetime.timezone.utc) - then).total_seconds())
+    return f"{seconds}s" if seconds < 120 else f"{seconds // 60}m" if seconds < 7200 else f"{seconds // 3600}h"
+
+
+def _table(payload: dict[str, Any], columns: list[dict[str, Any]]) -> dict[str, Any]:
+    items = payload["items"] if "items" in payload else [payload]
+    definitions = [{"name": "Name", "type": "string", "format": "name", "description": "", "priority": 0}] + [
+        {"name": c["name"], "type": c["type"], "format": c.get("format", ""), "description": c.get("description", ""),
+         "priority": c.get("priority", 0)} for c in columns]
+    rows = [{"cells": [item["metadata"]["name"]] + [
+        _age(_jsonpath(item, c["jsonPath"])) if c["type"] == "date" else _jsonpath(item, c["jsonPath"])
+        for c in columns], "object": {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+                                      "metadata": item["metadata"]}} for item in items]
+    return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": payload.get("metadata", {}),
+            "columnDefinitions": definitions, "rows": rows}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def make_emulator() -> FixedKubernetesEmulator:
+    """An emulator with ``RESOURCES`` declared (not yet served)."""
+    emulator = FixedKubernetesEmulator()
+    for path, (kind, namespaced, short, subresources) in RESOURCES.items():
+        emulator.resources[path] = kmock.ResourceInfo(
+            kind=kind, namespaced=namespaced, singular=kind.lower(), verbs=ALL_VERBS,
+            shortnames=short, subresources=subresources,
+        )
+    return emulator
+
+
+class RunningEmulator:
+    """An emulator served on 127.0.0.1 from a background thread with its own event loop."""
+
+    def __init__(self, workdir: pathlib.Path | str) -> None:
+        self.emulator = make_emulator()
+        self.kubeconfig = pathlib.Path(workdir) / "kubeconfig"
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._stopping: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kube-emulator", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("the Kubernetes emulator did not start")
+        write_kubeconfig(self.kubeconfig, self.url)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._serve())
+
+    async def _serve(self) -> None:
+        self._stopping = asyncio.Event()
+        async with self.emulator, kmock.Server(self.emulator) as server:
+            self.url = str(server.url).rstrip("/")
+            self._ready.set()
+            await self._stopping.wait()
+
+    def api_client(self) -> Any:
+        """A ``kubernetes.client.ApiClient`` for this emulator (the client's global config is untouched)."""
+        import kubernetes
+
+        configuration = kubernetes.client.Configuration()
+        configuration.host = self.url
+        return kubernetes.client.ApiClient(configuration)
+
+    def request_count(self) -> int:
+        """How many HTTP requests the emulator has served so far."""
+        return len(self.emulator._requests)
+
+    def stop(self) -> None:
+        if self._stopping is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stopping.set)
+            self._thread.join(10)
+
+    def __enter__(self) -> "RunningEmulator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_emulator(workdir: pathlib.Path | str) -> RunningEmulator:
+    """Start an emulator on a free port; its kubeconfig is written to ``workdir/kubeconfig``."""
+    return RunningEmulator(workdir)
+
+
+def write_kubeconfig(path: pathlib.Path | str, url: str) -> pathlib.Path:
+    """A kubeconfig with one context, ``emulator``, pointing at ``url`` (no auth, plain HTTP)."""
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "emulator", "cluster": {"server": url}}],
+        "users": [{"name": "tester", "user": {"token": "emulator"}}],
+        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester",
+                                                      "namespace": "default"}}],
+        "current-context": "emulator",
+    }
+    path = pathlib.Path(path)
+    path.write_text(json.dumps(config, indent=1))
+    return path

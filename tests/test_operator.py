@@ -1,0 +1,240 @@
+"""The operator end to end: real kopf (subprocess), real kubernetes client and kubectl against the
+Kubernetes emulator, real boto3 against the local SageMaker endpoint.
+
+One world (emulators + operator) serves this module; every test uses its own namespace, job and
+nodes, and the storm guard is raised so the tests cannot hold each other back (it has its own
+module, test_operator_stormguard.py).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import CLUSTER, GROUP, dump, make_alarm, new_instance
+
+pytestmark = pytest.mark.operator
+
+
+@pytest.fixture(scope="module")
+def world(make_world):
+    return make_world(SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES="50")
+
+
+def _setup(world, ns: str, n_nodes: int = 3, enabled: bool = True):
+    ids = [new_instance() for _ in range(n_nodes)]
+    nodes = [world.node(i) for i in ids]
+    pods = world.training(ns, "llm", nodes, enabled=enabled)
+    return ids, nodes, pods
+
+
+def _phase(world, name):
+    return (world.replacement(name).get("status") or {}).get("phase")
+
+
+def test_happy_path_event_to_replaced(world):
+    ns = "happy"
+    ids, nodes, pods = _setup(world, ns)
+    record = make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[1])], reporter=(0, pods[0], nodes[0]))
+    event = world.alarm_event(ns, record)
+
+    name = "llm-replay-40"
+    world.wait(lambda: world.event_annotation(ns, event) == f"incident:{name}", what="intake annotation")
+    world.wait(lambda: world.job_suspended(ns, "llm"), what="job suspended")
+    world.wait(lambda: world.node_state(nodes[1]) == (True, "true"), what="node cordoned + labelled")
+    assert world.node_state(nodes[0]) == (False, None) and world.node_state(nodes[2]) == (False, None)
+
+    world.wait(lambda: _phase(world, nodes[1]) == "PendingApproval", what="PendingApproval")
+    checks = world.aws.calls("StartClusterHealthCheck")
+    assert len(checks) == 1 and checks[0]["outcome"] == "ok"
+    assert checks[0]["detail"] == [{"InstanceGroupName": GROUP, "InstanceIds": [ids[1]],
+                                    "DeepHealthChecks": ["InstanceStress", "InstanceConnectivity"]}]
+    nrep = world.replacement(nodes[1])
+    assert nrep["spec"]["instanceId"] == ids[1] and nrep["spec"]["clusterName"] == CLUSTER
+    assert nrep["spec"]["incidents"] == [f"{ns}/{name}"]
+    assert nrep["status"]["healthCheck"]["result"] == "Passed"
+    assert world.aws.calls("BatchReplaceClusterNodes") == []  # nothing without approval
+
+    incident = world.incident(ns, name)
+    assert incident["spec"]["suspects"] == [{"rank": 1, "pod": pods[1], "node": nodes[1]}]
+    assert incident["spec"]["lastGoodCheckpoint"] == "checkpoint-19.pt"
+    assert incident["status"]["resumeFrom"] == "checkpoint-19.pt"
+    assert incident["status"]["nodes"][nodes[1]]["instanceId"] == ids[1]
+    events = [t["event"] for t in incident["status"]["timeline"]]
+    assert events[:4] == ["Opened", "JobSuspended", "NodeCordoned", "ReplacementCreated"], events
+
+    approve = world.kubectl("sdcguard", "approve", nodes[1], "--reason", "replay mismatch twice")
+    assert approve.returncode == 0, approve.stderr
+    world.wait(lambda: _phase(world, nodes[1]) == "Replaced", what="Replaced")
+    replaces = world.aws.calls("BatchReplaceClusterNodes")
+    assert [c["ids"] for c in replaces] == [[ids[1]]] and replaces[0]["outcome"] == "ok"
+    nrep = world.replacement(nodes[1])
+    assert nrep["status"]["decision"]["decision"] == "Approved"
+    assert nrep["status"]["decision"]["reason"] == "replay mismatch twice"
+    assert "kube: tester" in nrep["status"]["decision"]["by"]
+    assert ids[1] not in world.aws.node_statuses(CLUSTER)  # the old instance is gone
+    world.wait(lambda: world.incident(ns, name)["status"]["phase"] == "Resolved", what="incident resolved")
+    again = world.kubectl("sdcguard", "deny", nodes[1])
+    assert again.returncode == 1 and "decisions are final" in again.stderr
+
+
+def test_deny_with_plain_kubectl_patch_uncordons(world):
+    ns = "deny"
+    ids, nodes, pods = _setup(world, ns)
+    world.alarm_event(ns, make_alarm(ns, "llm", check="weights", step=7, suspects=[(2, pods[2], nodes[2])]))
+    world.wait(lambda: _phase(world, nodes[2]) == "PendingApproval", what="PendingApproval")
+    assert world.node_state(nodes[2]) == (True, "true")
+    patch = world.kubectl("patch", "nodereplacement", nodes[2], "--type=merge",
+                          "-p", json.dumps({"spec": {"decision": "Denied"}}))
+    assert patch.returncode == 0, patch.stderr
+    world.wait(lambda: _phase(world, nodes[2]) == "Denied", what="Denied")
+    assert world.node_state(nodes[2]) == (False, None)
+    nrep = world.replacement(nodes[2])
+    assert nrep["status"]["decision"]["decision"] == "Denied"
+    assert nrep["status"]["decision"]["by"].startswith("unknown")
+    assert world.aws.calls("BatchReplaceClusterNodes", ids[2]) == []
+    # one-way: a later Approved is ignored
+    world.kubectl("patch", "nodereplacement", nodes[2], "--type=merge", "-p", '{"spec":{"decision":"Approved"}}')
+    world.wait(lambda: _phase(world, nodes[2]) == "Denied", what="still Denied")
+    assert world.aws.calls("BatchReplaceClusterNodes", ids[2]) == []
+
+
+def test_failed_health_check_is_recorded(world):
+    ns = "hcfail"
+    ids, nodes, pods = _setup(world, ns)
+    world.aws.script(ids[0], health="fail", health_polls=2)
+    world.alarm_event(ns, make_alarm(ns, "llm", check="nonfinite-local", step=3, suspects=[(0, pods[0], nodes[0])],
+                                     reporter=(1, pods[1], nodes[1])))
+    world.wait(lambda: _phase(world, nodes[0]) == "PendingApproval", what="PendingApproval")
+    status = world.replacement(nodes[0])["status"]
+    assert status["healthCheck"]["result"] == "Failed", dump(status)
+    assert any(c["type"] == "HealthCheckPassed" and c["status"] == "False" for c in status["conditions"])
+    incident = world.incident(ns, "llm-nonfinite-local-3")
+    assert "ReplacementHealthCheckFailed" in [t["event"] for t in incident["status"]["timeline"]]
+
+
+@pytest.mark.parametrize("kind", ["throttle", "in-use", "not-found"])
+def test_aws_errors_by_kind(world, kind):
+    ns = f"aws-{kind}"
+    ids, nodes, pods = _setup(world, ns, n_nodes=2)
+    script = {"throttle": ["throttle", "throttle", "ok"], "in-use": ["in-use", "ok"], "not-found": ["not-found"]}
+    world.aws.script(ids[1], replace=script[kind])
+    world.alarm_event(ns, make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[1])], reporter=(0, pods[0], nodes[0])))
+    world.wait(lambda: _phase(world, nodes[1]) == "PendingApproval", what="PendingApproval")
+    assert world.kubectl("sdcguard", "approve", nodes[1]).returncode == 0
+    final = "Failed" if kind == "not-found" else "Replaced"
+    world.wait(lambda: _phase(world, nodes[1]) == final, what=final)
+    calls = world.aws.calls("BatchReplaceClusterNodes", ids[1])
+    status = world.replacement(nodes[1])["status"]
+    if kind == "throttle":
+        assert [c["outcome"] for c in calls] == ["ThrottlingException", "ThrottlingException", "ok"]
+        assert status["replace"]["throttled"] == 2
+        assert [t["event"] for t in status["timeline"]].count("Throttled") == 2
+    elif kind == "in-use":
+        assert [c["outcome"] for c in calls] == ["failed", "ok"]
+        assert status["replace"]["waits"] == 1 and status["replace"]["lastError"] == "InstanceIdInUse"
+    else:
+        assert [c["outcome"] for c in calls] == ["failed"]  # never retried
+        assert status["replace"]["error"] == "InstanceIdNotFound"
+        assert "does not exist" in status["replace"]["message"]
+        failed = [c for c in status["conditions"] if c["type"] == "Failed"][0]
+        assert failed["reason"] == "InstanceIdNotFound" and "does not exist" in failed["message"]
+        assert "sdcguard_replacements_total{phase=\"Failed\"}" in world.metrics()
+
+
+def test_six_events_for_one_fault_make_one_incident(world):
+    ns = "dedup"
+    ids, nodes, pods = _setup(world, ns)
+    events = []
+    for reporter in range(6):  # every rank reports the same fault, plus resends
+        record = make_alarm(ns, "llm", check="replay", step=100, suspects=[(1, pods[1], nodes[1])],
+                            reporter=(reporter % 3, pods[reporter % 3], nodes[reporter % 3]))
+        events.append(world.alarm_event(ns, record))
+    world.wait(lambda: all(world.event_annotation(ns, e) for e in events), what="all six Events handled")
+    outcomes = sorted(world.event_annotation(ns, e).split(":")[0] for e in events)
+    assert outcomes == ["incident"] + ["joined"] * 5
+    world.wait(lambda: _phase(world, nodes[1]) == "PendingApproval", what="PendingApproval")
+    assert len(world.incidents(ns)) == 1
+    incident = world.incident(ns, "llm-replay-100")
+    assert incident["status"]["alarmCount"] == 6 and len(incident["status"]["duplicates"]) == 5
+    assert [world.node_state(n)[1] for n in nodes] == [None, "true", None]
+    assert len(world.aws.calls("StartClusterHealthCheck", ids[1])) == 1
+
+
+def test_alarm_without_suspects_suspends_and_cordons_nothing(world):
+    ns = "reduced"
+    ids, nodes, pods = _setup(world, ns, n_nodes=2)
+    event = world.alarm_event(ns, make_alarm(ns, "llm", check="nonfinite-reduced", step=5,
+                                             reporter=(0, pods[0], nodes[0])))
+    world.wait(lambda: (world.incident(ns, "llm-nonfinite-reduced-5").get("status") or {}).get("phase") == "Contained",
+               what="incident contained")
+    assert world.event_annotation(ns, event) == "incident:llm-nonfinite-reduced-5"
+    assert world.job_suspended(ns, "llm")
+    assert [world.node_state(n) for n in nodes] == [(False, None), (False, None)]
+
+
+REJECTIONS = {
+    "MalformedAlarm": lambda ns, pods, nodes: {"raw": "{not json"},
+    "UnsupportedSchema": lambda ns, pods, nodes: {"raw": json.dumps(
+        {**make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[1])]), "schema": "sdcguard.dev/alarm/v9"})},
+    "NodeMismatch": lambda ns, pods, nodes: {"record": make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[0])])},
+    "PodNotFound": lambda ns, pods, nodes: {"record": make_alarm(ns, "llm", suspects=[(1, "llm-worker-9", nodes[1])])},
+    "JobNotEnabled": lambda ns, pods, nodes: {"record": make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[1])])},
+}
+
+
+@pytest.mark.parametrize("reason", sorted(REJECTIONS))
+def test_rejected_alarms_touch_nothing(world, reason):
+    ns = f"reject-{reason.lower()}"
+    ids, nodes, pods = _setup(world, ns, enabled=(reason != "JobNotEnabled"))
+    event = world.alarm_event(ns, **REJECTIONS[reason](ns, pods, nodes))
+    world.wait(lambda: world.event_annotation(ns, event), what="intake annotation")
+    assert world.event_annotation(ns, event) == f"rejected:{reason}"
+    assert world.incidents(ns) == []
+    assert [world.node_state(n) for n in nodes] == [(False, None)] * 3
+    assert not world.job_suspended(ns, "llm")
+    assert world.wait(lambda: f'sdcguard_alarms_rejected_total{{reason="{reason}"}} 1.0' in world.metrics(),
+                      what="rejection metric")
+    reports = world.wait(lambda: [e for e in world.core.list_namespaced_event(ns).items
+                                  if e.reason == "AlarmRejected"], what="AlarmRejected Event")
+    assert reason in reports[0].message and reports[0].type == "Warning"
+
+
+def test_alarm_events_are_watched_with_a_server_side_field_selector(world):
+    watches = [r for r in world.kube.emulator._requests
+               if r.resource == "v1/events" and r.params.get("watch") in ("true", "True")]
+    assert watches and all(r.params.get("fieldSelector") == "reason=SilentDataCorruption" for r in watches)
+
+
+def test_kubectl_sdcguard_history_and_incidents(world):
+    listing = world.kubectl("sdcguard", "incidents")
+    assert listing.returncode == 0, listing.stderr
+    assert "llm-replay-40" in listing.stdout and "checkpoint-19.pt" in listing.stdout
+    history = world.kubectl("sdcguard", "history")
+    assert history.returncode == 0, history.stderr
+    lines = history.stdout.splitlines()
+    assert lines[0].split() == ["NODE", "INSTANCE", "INCIDENTS", "LAST-INCIDENT"]
+    assert any(line.split()[1].startswith("i-") for line in lines[1:])
+    got = world.kubectl("get", "nodereplacements")
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.split("\n")[0].split() == ["NAME", "NODE", "INSTANCE", "PHASE", "HEALTH-CHECK", "DECISION", "AGE"]
+    assert any(line.split()[3:6] == ["Replaced", "Passed", "Approved"] for line in got.stdout.splitlines()[1:])
+    got = world.kubectl("get", "sdcincidents", "-n", "happy")
+    assert got.returncode == 0, got.stderr
+    header, row = got.stdout.splitlines()[:2]
+    assert header.split() == ["NAME", "JOB", "CHECK", "STEP", "SUSPECTS", "PHASE", "AGE"]
+    assert row.split()[:4] == ["llm-replay-40", "llm", "replay", "40"] and row.split()[5] == "Resolved"
+
+
+def test_early_approval_waits_for_the_health_check(world):
+    ns = "early"
+    ids, nodes, pods = _setup(world, ns, n_nodes=2)
+    world.aws.script(ids[1], health_polls=6)
+    world.alarm_event(ns, make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[1])], reporter=(0, pods[0], nodes[0])))
+    world.wait(lambda: (world.replacement(nodes[1]).get("status") or {}).get("healthCheck", {}).get("requestedAt"),
+               what="health check requested")
+    assert world.kubectl("sdcguard", "approve", nodes[1], "--by", "oncall-bot").returncode == 0
+    world.wait(lambda: _phase(world, nodes[1]) == "Replaced", what="Replaced")
+    events = [t["event"] for t in world.replacement(nodes[1])["status"]["timeline"]]
+    assert events.index("HealthCheckPassed") < events.index("Approved") < events.index("ReplaceRequested"), events
+    assert world.replacement(nodes[1])["status"]["decision"]["by"] == "oncall-bot"
+    assert len(world.aws.calls("BatchReplaceClusterNodes", ids[1])) == 1

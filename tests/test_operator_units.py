@@ -1,0 +1,114 @@
+"""The operator's parts one by one: settings, localization (all three paths, the last against the
+local SageMaker endpoint), incident naming, CRDs, the CLI.  No operator process: fast.
+"""
+from __future__ import annotations
+
+import pathlib
+
+import kubernetes
+import pytest
+import yaml
+from aws_emulator import start_aws
+from conftest import new_instance
+
+from sdcguard_operator import cli, hyperpod, incident, localize
+from sdcguard_operator.settings import Settings
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_settings_defaults_and_errors_name_the_variable():
+    s = Settings.from_env({})
+    assert s.max_concurrent_suspect_nodes == 2 and s.suspend_jobs is True
+    assert s.deep_health_checks == ("InstanceStress", "InstanceConnectivity") and s.namespaces == ()
+    s = Settings.from_env({"SDCGUARD_NAMESPACES": "ml, research", "SDCGUARD_SUSPEND_JOBS": "false",
+                           "SDCGUARD_DEEP_HEALTH_CHECKS": "InstanceStress", "AWS_REGION": "us-east-2"})
+    assert s.namespaces == ("ml", "research") and not s.suspend_jobs and s.region == "us-east-2"
+    assert s.deep_health_checks == ("InstanceStress",)
+    for env, name in [({"SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES": "two"}, "SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES"),
+                      ({"SDCGUARD_SUSPEND_JOBS": "maybe"}, "SDCGUARD_SUSPEND_JOBS"),
+                      ({"SDCGUARD_DEEP_HEALTH_CHECKS": "Burn"}, "SDCGUARD_DEEP_HEALTH_CHECKS")]:
+        with pytest.raises(ValueError, match=name):
+            Settings.from_env(env)
+    assert [Settings.from_env({}).backoff(n) for n in (1, 2, 3, 10)] == [5.0, 10.0, 20.0, 300.0]
+
+
+def test_cli_refuses_bad_settings(monkeypatch, capsys):
+    monkeypatch.setenv("SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES", "-1")
+    assert cli.main([]) == 2
+    assert "SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES" in capsys.readouterr().err
+
+
+def test_instance_id_from_node_name_then_provider_id():
+    assert localize.instance_from_names("hyperpod-i-0123456789abcdef0", None) == ("i-0123456789abcdef0", "node-name")
+    assert localize.instance_from_names("ip-10-0-0-1.ec2.internal", "aws:///us-west-2a/i-0abcdef0123456789") == \
+        ("i-0abcdef0123456789", "provider-id")
+    assert localize.instance_from_names("hyperpod-i-XYZ", "gce://p/z/n") is None
+
+
+def _node(name: str, labels: dict, provider_id: str | None = None, addresses: tuple = ()) -> kubernetes.client.V1Node:
+    return kubernetes.client.V1Node(
+        metadata=kubernetes.client.V1ObjectMeta(name=name, labels=labels),
+        spec=kubernetes.client.V1NodeSpec(provider_id=provider_id),
+        status=kubernetes.client.V1NodeStatus(addresses=[kubernetes.client.V1NodeAddress(address=a, type="InternalIP")
+                                                         for a in addresses]))
+
+
+@pytest.fixture
+def aws(monkeypatch):
+    endpoint = start_aws()
+    for key, value in endpoint.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(hyperpod, "_client", None)
+    yield endpoint
+    endpoint.stop()
+
+
+def test_localize_every_path(aws):
+    settings = Settings.from_env({"SDCGUARD_CLUSTER_NAME": "c1", "AWS_REGION": aws.region})
+    first, second = new_instance(), new_instance()
+    aws.add_cluster("c1", {first: "gpu-a", second: "gpu-b"})
+    # 1. the HyperPod node name, labels give cluster and group: no AWS call
+    where = localize.localize(_node(f"hyperpod-{first}", {"sagemaker.amazonaws.com/cluster-name": "c1",
+                                                          "sagemaker.amazonaws.com/instance-group-name": "gpu-a"}),
+                              settings)
+    assert (where.instance_id, where.cluster, where.instance_group, where.source) == (first, "c1", "gpu-a", "node-name")
+    assert aws.calls() == []
+    # 2. providerID; no group label: DescribeClusterNode tells the group; cluster from the setting
+    where = localize.localize(_node("ip-10-9-9-9.ec2.internal", {}, f"aws:///us-west-2a/{second}"), settings)
+    assert (where.instance_id, where.instance_group, where.source) == (second, "gpu-b", "provider-id")
+    # 3. neither: ListClusterNodes + DescribeClusterNode, matched on the private DNS name
+    hostname = hyperpod.describe_node(settings, "c1", first)["PrivateDnsHostname"]
+    where = localize.localize(_node(hostname, {"sagemaker.amazonaws.com/cluster-name": "c1"}), settings)
+    assert (where.instance_id, where.instance_group, where.source) == (first, "gpu-a", "list-cluster-nodes")
+    assert {c["action"] for c in aws.calls()} == {"DescribeClusterNode", "ListClusterNodes"}
+    with pytest.raises(localize.NotLocalized, match="matches no instance"):
+        localize.localize(_node("ip-1-2-3-4.ec2.internal", {}), settings)
+    with pytest.raises(localize.NotLocalized, match="SDCGUARD_CLUSTER_NAME"):
+        localize.localize(_node(f"hyperpod-{first}", {}), Settings.from_env({}))
+
+
+def test_incident_names_are_dns_safe_and_distinct():
+    record = {"job": {"name": "LLM_pretrain"}, "check": "nonfinite-local", "step": 12}
+    assert incident.incident_name(record) == "llm-pretrain-nonfinite-local-12"
+    long_a = incident.incident_name({"job": {"name": "x" * 80 + "a"}, "check": "replay", "step": 1})
+    long_b = incident.incident_name({"job": {"name": "x" * 80 + "b"}, "check": "replay", "step": 1})
+    assert len(long_a) <= 63 and long_a != long_b
+
+
+@pytest.mark.parametrize("path", ["deploy/crds/sdcincident.yaml", "deploy/crds/nodereplacement.yaml"])
+def test_crds_have_schema_status_and_printer_columns(path):
+    crd = yaml.safe_load((ROOT / path).read_text())
+    version = crd["spec"]["versions"][0]
+    assert crd["spec"]["group"] == "sdcguard.dev" and version["name"] == "v1"
+    assert version["subresources"] == {"status": {}}
+    columns = {c["name"] for c in version["additionalPrinterColumns"]}
+    props = version["schema"]["openAPIV3Schema"]["properties"]
+    assert {"spec", "status"} <= set(props)
+    if crd["spec"]["names"]["kind"] == "SDCIncident":
+        assert crd["spec"]["scope"] == "Namespaced"
+        assert {"Job", "Check", "Step", "Suspects", "Phase", "Age"} <= columns
+    else:
+        assert crd["spec"]["scope"] == "Cluster"
+        assert {"Node", "Instance", "Phase", "Decision", "Age"} <= columns
+        assert props["spec"]["properties"]["decision"]["enum"] == ["", "Approved", "Denied"]
