@@ -26,7 +26,8 @@ lists carry ``kind``/``apiVersion``; watch streams are served as JSON lines.
 Added: server-side printing (``kubectl get`` shows the printer columns of deploy/crds);
 equality field/label selectors on list and watch (``SELECTORS_HONOURED``); object requests
 are served straight from the store (kmock's reaction matching costs time proportional to all past
-requests, which a flood of Events turns into seconds per request).
+requests, which a flood of Events turns into seconds per request), so kmock reactions do not
+apply to them: to make the server refuse a request use ``kube.reject("POST", path, 422)``.
 Still not emulated: set-based selectors, resourceVersion preconditions of
 merge patches, watching from a resourceVersion, PUT,
 admission webhooks, RBAC, /status isolation (a status patch may change spec too).
@@ -99,8 +100,16 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
     """kmock's emulator with the gaps that break kopf, the official client and kubectl closed."""
 
     _versions: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
+    rejections: dict[tuple[str, str], int] = attrs.field(factory=dict, init=False)
+    """(METHOD, path) -> HTTP status to answer with instead of serving: a server that refuses a
+    request (e.g. 422 for an invalid object). Set it through ``RunningEmulator.reject``."""
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        refused = self.rejections.get((str(request.method.value).upper(), request.url.path))
+        if refused is not None:
+            return aiohttp.web.json_response(
+                {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": refused,
+                 "reason": "Invalid", "message": "rejected by the test"}, status=refused)
         if request.resource is not None and request.params.get("watch") in ("True", "1", "true"):
             return await self._stream_watch(request)
         if request.action == enums.action.CREATE and isinstance(request.data, dict):
@@ -316,6 +325,10 @@ class RunningEmulator:
             self.url = str(server.url).rstrip("/")
             self._ready.set()
             await self._stopping.wait()
+
+    def reject(self, method: str, path: str, status: int) -> None:
+        """Answer ``status`` to every ``METHOD path`` request from now on (server-side)."""
+        self.emulator.rejections[(method.upper(), path)] = status
 
     def api_client(self) -> Any:
         """A ``kubernetes.client.ApiClient`` for this emulator (the client's global config is untouched)."""

@@ -243,7 +243,7 @@ def test_records_written_while_the_api_server_is_down_are_published_once_it_retu
 def test_an_event_the_api_server_rejects_is_quarantined_and_does_not_block_the_spool(
         kube: Any, tmp_path: Path) -> None:
     # The API server refuses this namespace's Events as invalid (422), e.g. an oversized annotation.
-    kube.emulator["post /api/v1/namespaces/rejecting/events"] << 422
+    kube.reject("POST", "/api/v1/namespaces/rejecting/events", 422)
     spool_dir = tmp_path / "spool"
     spool.write_alarm(spool_dir, record("job4-replay-step1", namespace="rejecting", step=1))
     time.sleep(0.05)  # oldest first: the rejected record comes before the good one
