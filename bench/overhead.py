@@ -96,6 +96,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--window", type=int, default=100)
+    parser.add_argument("--ranks", type=int, default=3)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -104,14 +105,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "result.json")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
                         __file__, "--rounds", str(args.rounds), "--window", str(args.window), "--worker", str(out)],
                        check=True, env=env)
         result = json.loads(out.read_text())
     median = {name: statistics.median(v) for name, v in result["means"].items()}
     t_step = median["plain DDP"]
     t_replay = statistics.median(result["replay"])
-    print(f"3 gloo ranks, 1 thread each, TinyGPT; {args.rounds} rounds x {args.window} steps per configuration")
+    print(f"{args.ranks} gloo ranks, 1 thread each, TinyGPT; {args.rounds} rounds x {args.window} steps per configuration")
     print(f"plain DDP step {t_step * 1e3:.1f} ms; replay (forward+backward) {t_replay * 1e3:.1f} ms")
     print(f"{'configuration':24s} {'ms/step':>8s} {'x plain':>8s} {'floor':>7s} {'x floor':>8s}")
     for name, t in median.items():
