@@ -177,7 +177,7 @@ class OperatorWorld:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
             return response.read().decode()
 
-    def wait(self, predicate: Callable[[], Any], timeout: float = 20, what: str = "condition") -> Any:
+    def wait(self, predicate: Callable[[], Any], timeout: float = 45, what: str = "condition") -> Any:
         """Poll until ``predicate()`` is truthy (API errors count as "not yet"); fail with the operator log."""
         deadline = time.monotonic() + timeout
         last: Any = None

@@ -90,7 +90,7 @@ class Sidecar:
         return self.log.read_text()
 
 
-def wait_for(condition: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
+def wait_for(condition: Callable[[], Any], what: str, timeout: float = 45.0) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         result = condition()
