@@ -23,10 +23,7 @@ from .alarm import CHECK_NONFINITE_LOCAL, CHECK_REPLAY
 from .exchange import broadcast_digest, gather_digests, gather_objects, gather_tensor, ring_exchange
 from .replay import PassResult, Payload, replay
 from .topology import Topology
-from .verdict import Verdict
-
-# Differing parameter names listed per mismatching pair (the count is always given).
-MAX_NAMED_PARAMETERS = 16
+from .verdict import Verdict, parameter_summary
 
 
 @dataclass(slots=True)
@@ -110,7 +107,7 @@ class Replayer:
             "replayer": replayer, "owner": owner,
             "loss_bits_owner": [f"{fp.s0:016x}" for fp in original.loss_fps],
             "loss_bits_replay": [f"{fp.s0:016x}" for fp in replayed.loss_fps],
-            "differing_parameters": {"count": len(differing), "names": differing[:MAX_NAMED_PARAMETERS]},
+            "differing_parameters": parameter_summary(differing),
         }
 
     # -- mixed precision -----------------------------------------------------------------------

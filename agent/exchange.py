@@ -30,11 +30,11 @@ def gather_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None, label: 
 
 def gather_digests(digests: list[bytes], device: torch.device, group: dist.ProcessGroup | None) -> list[list[bytes]]:
     """All-gather a fixed number of 16-byte digests per rank: result[rank][k]."""
-    words = [int.from_bytes(d[i:i + 8], "little", signed=True) for d in digests for i in (0, 8)]
+    words = [w for d in digests for w in _digest_to_words(d)]
     parts = gather_tensor(torch.tensor(words, dtype=torch.int64, device=device), group, "digests")
     out = []
     for part in parts:
-        raw = b"".join(int(w).to_bytes(8, "little", signed=True) for w in part.tolist())
+        raw = _words_to_bytes(part)
         out.append([raw[k:k + DIGEST_BYTES] for k in range(0, len(raw), DIGEST_BYTES)])
     return out
 
@@ -66,12 +66,18 @@ def ring_exchange(payload: Any, send_to: int | None, recv_from: int | None, devi
 
 def broadcast_digest(digest: bytes | None, src: int, device: torch.device, group: dist.ProcessGroup | None) -> bytes:
     """Rank ``src`` tells everyone one 16-byte digest."""
-    words = torch.zeros(2, dtype=torch.int64, device=device)
     TRAFFIC["digests"] += DIGEST_BYTES if digest is not None else 0
-    if digest is not None:
-        words = torch.tensor([int.from_bytes(digest[i:i + 8], "little", signed=True) for i in (0, 8)],
-                             dtype=torch.int64, device=device)
+    words = torch.tensor(_digest_to_words(digest or bytes(DIGEST_BYTES)), dtype=torch.int64, device=device)
     dist.broadcast(words, src=_global(group, src), group=group)
+    return _words_to_bytes(words)
+
+
+def _digest_to_words(digest: bytes) -> list[int]:
+    """A 16-byte digest as two signed int64 words (what a collective can carry)."""
+    return [int.from_bytes(digest[i:i + 8], "little", signed=True) for i in (0, 8)]
+
+
+def _words_to_bytes(words: torch.Tensor) -> bytes:
     return b"".join(int(w).to_bytes(8, "little", signed=True) for w in words.tolist())
 
 

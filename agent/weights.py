@@ -16,10 +16,8 @@ import torch.distributed as dist
 from .alarm import CHECK_WEIGHTS
 from .exchange import gather_digests, gather_objects
 from .fingerprint import Fingerprint, digest, fingerprint
-from .verdict import Verdict
+from .verdict import Verdict, parameter_summary
 
-# How many differing parameter names an alarm lists per suspect (the count is always given).
-MAX_NAMED_PARAMETERS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,5 +84,4 @@ def judge_weights(
 
 
 def _differing(names: list[str], theirs: list[Fingerprint], reference: list[Fingerprint]) -> dict[str, Any]:
-    bad = [n for n, a, b in zip(names, theirs, reference) if a != b]
-    return {"count": len(bad), "names": bad[:MAX_NAMED_PARAMETERS]}
+    return parameter_summary([n for n, a, b in zip(names, theirs, reference) if a != b])
