@@ -16,7 +16,7 @@ from typing import Any, Callable
 # No `from __future__ import annotations`: DDP checks comm-hook annotations at runtime.
 import torch
 import torch.distributed as dist
-from .fingerprint import Fingerprint, fingerprint
+from .fingerprint import Fingerprint, fingerprint_sums, to_fingerprints
 
 __all__ = ["GradientRecorder", "record_then_reduce", "allreduce_mean"]
 
@@ -28,7 +28,7 @@ class GradientRecorder:
 
     __slots__ = (
         "inner_hook", "inner_state", "param_index",
-        "audit", "local_sq", "reduced_sq", "fingerprints",
+        "audit", "local_sq", "reduced_sq", "pending",
     )
 
     def __init__(
@@ -47,22 +47,31 @@ class GradientRecorder:
         self.audit = False
         self.local_sq: dict[int, torch.Tensor] = {}
         self.reduced_sq: dict[int, torch.Tensor] = {}
-        self.fingerprints: dict[int, Fingerprint] = {}
+        # Per bucket: (parameter indices, their fingerprint sums still on the device) — turned
+        # into numbers after the backward pass, so the hook never waits for the device.
+        self.pending: dict[int, tuple[list[int], torch.Tensor]] = {}
 
     def begin_step(self, audit: bool) -> None:
         """Forget the previous step; record fingerprints only when this step is audited."""
         self.audit = audit
         self.local_sq = {}
         self.reduced_sq = {}
-        self.fingerprints = {}
+        self.pending = {}
 
     def norms(self, device: torch.device) -> torch.Tensor:
         """``[local, reduced]`` squared gradient norms of this step, float64, on ``device``."""
         return torch.stack([_total(self.local_sq, device), _total(self.reduced_sq, device)])
 
     def record_fingerprints(self, bucket: dist.GradBucket) -> None:
-        for param, grad in zip(bucket.parameters(), bucket.gradients()):
-            self.fingerprints[self.param_index[id(param)]] = fingerprint(grad)
+        indices = [self.param_index[id(param)] for param in bucket.parameters()]
+        self.pending[bucket.index()] = (indices, fingerprint_sums(bucket.gradients()))
+
+    def fingerprints(self) -> dict[int, Fingerprint]:
+        """This step's local-gradient fingerprints by parameter index (audit steps only)."""
+        out: dict[int, Fingerprint] = {}
+        for indices, sums in self.pending.values():
+            out.update(zip(indices, to_fingerprints(sums)))
+        return out
 
 
 def record_then_reduce(

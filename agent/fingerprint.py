@@ -17,18 +17,23 @@ Inside a chunk of ``rows x C`` elements, with 0-based row r and column c (i = r*
 so no position tensor as long as the chunk is needed, only integer reductions. On CPU, chunks of
 about 1 MiB stay in cache between the row and the column reduction, and 1- and 2-byte elements
 are reduced in int32 (exact: a chunk's row and column sums cannot overflow it), which halves the
-work. On a GPU the same code runs with large chunks (few kernel launches); it has not yet been
-timed on one (see bench/RESULTS.md).
+work. On a GPU the same code runs with large chunks (few kernel launches), unless the fused Triton
+kernel of ``fingerprint_triton`` is available and passed its self-test; neither has yet been timed
+on a GPU (see bench/RESULTS.md). ``fingerprint_sums`` keeps results on the device so that many
+tensors cost one device-to-host transfer.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
-from typing import Iterable, Iterator, NamedTuple
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 
-__all__ = ["Fingerprint", "fingerprint", "digest", "fingerprint_reference"]
+from . import fingerprint_triton
+
+__all__ = ["Fingerprint", "fingerprint", "fingerprint_many", "fingerprint_sums", "to_fingerprints",
+           "digest", "fingerprint_reference"]
 
 _MASK = (1 << 64) - 1
 # Bytes per chunk on CPU: small enough to stay in cache for the second reduction over it.
@@ -51,16 +56,73 @@ class Fingerprint(NamedTuple):
     s1: int
 
 
-def fingerprint(tensor: torch.Tensor, *, chunk_elements: int | None = None) -> Fingerprint:
+def fingerprint(tensor: torch.Tensor, *, chunk_elements: int | None = None,
+                backend: str = "auto") -> Fingerprint:
     """Fingerprint ``tensor`` per the SPEC §3 definition, on the tensor's own device."""
+    return to_fingerprints(fingerprint_sums([tensor], chunk_elements=chunk_elements, backend=backend))[0]
+
+
+def fingerprint_many(tensors: Iterable[torch.Tensor], *, backend: str = "auto") -> list[Fingerprint]:
+    """Fingerprint several tensors with one device-to-host transfer per device, not one per tensor
+    (each transfer waits for the device: hundreds of parameters would mean hundreds of stalls)."""
+    tensors = list(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    out: list[Fingerprint] = [Fingerprint(0, 0)] * len(tensors)
+    for indices in by_device.values():
+        sums = fingerprint_sums([tensors[i] for i in indices], backend=backend)
+        for i, fp in zip(indices, to_fingerprints(sums)):
+            out[i] = fp
+    return out
+
+
+def fingerprint_sums(tensors: Sequence[torch.Tensor], *, chunk_elements: int | None = None,
+                     backend: str = "auto") -> torch.Tensor:
+    """``(len(tensors), 2)`` int64 sums on the tensors' (one) device, without waiting for it.
+
+    ``backend``: ``"auto"`` (the Triton kernel on GPUs where it passed its self-test, else torch),
+    ``"torch"``, or ``"triton"`` (an error where it cannot run)."""
+    if not tensors:
+        return torch.zeros((0, 2), dtype=torch.int64)
+    return torch.stack([_tensor_sums(t, chunk_elements, _use_triton(t, backend)) for t in tensors])
+
+
+def to_fingerprints(sums: torch.Tensor) -> list[Fingerprint]:
+    """Turn :func:`fingerprint_sums` output into unsigned fingerprints (one host transfer)."""
+    return [Fingerprint(s0 & _MASK, s1 & _MASK) for s0, s1 in sums.cpu().tolist()]
+
+
+def _use_triton(tensor: torch.Tensor, backend: str) -> bool:
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        if not fingerprint_triton.available(tensor):
+            raise RuntimeError("the Triton fingerprint needs the triton package and a CUDA tensor "
+                               "(or TRITON_INTERPRET=1 for a CPU tensor)")
+        return True
+    if backend == "auto":
+        return tensor.is_cuda and fingerprint_triton.ready(tensor.device)
+    raise ValueError(f"backend must be 'auto', 'torch' or 'triton', not {backend!r}")
+
+
+def _tensor_sums(tensor: torch.Tensor, chunk_elements: int | None, use_triton: bool) -> torch.Tensor:
+    """``[s0, s1]`` of one tensor as int64 (wrapping) on its device."""
     if chunk_elements is None:
         chunk_elements = GPU_CHUNK_ELEMENTS if tensor.is_cuda else max(_COLUMNS, CHUNK_BYTES // tensor.element_size())
     if chunk_elements < _COLUMNS or chunk_elements % _COLUMNS or chunk_elements > 1 << 30:
         raise ValueError(f"chunk_elements must be a multiple of {_COLUMNS} up to 2**30")
+    as_ints = _integer_view(tensor.detach())
+    if use_triton:
+        sums = torch.zeros(2, dtype=torch.int64, device=tensor.device)
+        offset = 0
+        for piece in _flat_chunks(as_ints, chunk_elements):
+            fingerprint_triton.chunk_sums(piece, offset, sums)
+            offset += piece.numel()
+        return sums
     # |b| <= 2**15 and at most 2**13 rows of 2**11: int32 row and column sums are exact.
     narrow = tensor.element_size() <= 2 and chunk_elements <= _INT32_SAFE_ELEMENTS
     acc = torch.int32 if narrow else torch.int64
-    as_ints = _integer_view(tensor.detach())
     s0 = torch.zeros((), dtype=torch.int64, device=tensor.device)
     s1 = torch.zeros((), dtype=torch.int64, device=tensor.device)
     offset = 0
@@ -70,7 +132,7 @@ def fingerprint(tensor: torch.Tensor, *, chunk_elements: int | None = None) -> F
         s1 += c1 + c0 * offset
         s0 += c0
         offset += piece.numel()
-    return Fingerprint(int(s0) & _MASK, int(s1) & _MASK)
+    return torch.stack([s0, s1])
 
 
 def digest(fingerprints: Iterable[Fingerprint]) -> bytes:

@@ -201,7 +201,7 @@ class Guard:
             self._seen_buffers.append(snapshot_buffers(module))
 
     def _own_pass(self) -> PassResult:
-        return PassResult(list(self._own_losses), dict(self.recorder.fingerprints))
+        return PassResult(list(self._own_losses), self.recorder.fingerprints())
 
     def _check_nonfinite(self, step: int, payload: Payload) -> bool:
         """Checks 1a and 1b from one all-gather of two scalars per rank.

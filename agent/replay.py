@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .fingerprint import Fingerprint, fingerprint
+from .fingerprint import Fingerprint, fingerprint, fingerprint_many
 from .rng import forward_seed, seeded
 
 _state = {"replaying": False}
@@ -111,12 +111,11 @@ def load_buffers(module: torch.nn.Module, values: dict[str, torch.Tensor]) -> No
 
 def _result(params: list[tuple[int, torch.nn.Parameter]], grads: dict[int, torch.Tensor],
             losses: list[Fingerprint]) -> PassResult:
-    fps: dict[int, Fingerprint] = {}
-    sq = 0.0
-    for index, param in params:
-        # A parameter the batch did not reach has a zero gradient in DDP's bucket too.
-        grad = grads.get(index)
-        grad = torch.zeros_like(param) if grad is None else grad
-        fps[index] = fingerprint(grad)
-        sq += float(torch.linalg.vector_norm(grad, 2, dtype=torch.float64).square())
+    # A parameter the batch did not reach has a zero gradient in DDP's bucket too.
+    ordered = [grads.get(index) for index, _ in params]
+    ordered = [torch.zeros_like(p) if g is None else g for g, (_, p) in zip(ordered, params)]
+    fps = dict(zip((index for index, _ in params), fingerprint_many(ordered)))
+    # Only its finiteness matters (GradScaler confirmation): one sum, one device sync.
+    norms = [torch.linalg.vector_norm(g, 2, dtype=torch.float64).square() for g in ordered]
+    sq = float(torch.stack(norms).sum()) if norms else 0.0
     return PassResult(losses, fps, sq)

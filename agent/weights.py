@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .alarm import CHECK_WEIGHTS
 from .exchange import gather_digests, gather_objects
-from .fingerprint import Fingerprint, digest, fingerprint
+from .fingerprint import Fingerprint, digest, fingerprint_many
 from .verdict import Verdict, parameter_summary
 
 
@@ -34,7 +34,7 @@ class WeightCheck:
 
 def fingerprint_weights(named_parameters: Sequence[tuple[str, torch.Tensor]]) -> WeightCheck:
     names = [n for n, _ in named_parameters]
-    return WeightCheck(names, [fingerprint(p) for _, p in named_parameters])
+    return WeightCheck(names, fingerprint_many(p for _, p in named_parameters))
 
 
 def compare_weights(

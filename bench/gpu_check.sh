@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU checks, as one run on the device machine (PyTorch and Triton preinstalled there):
+#   1. the fused Triton fingerprint, compiled, against the SPEC §3 reference (same cases as the
+#      CPU interpreter test), and the automatic choice's self-test;
+#   2. fingerprint throughput vs copy bandwidth for both backends (bench/fingerprint.py checks
+#      each size bit for bit against the CPU before timing it).
+# Everything it prints also lands in $OUT (or /tmp/gpu-check). Usage, from the repository root:
+#   bash bench/gpu_check.sh
+set -uo pipefail
+out=${OUT:-/tmp/gpu-check}
+mkdir -p "$out"
+# No install on the device: import the package straight from agent/ under its real name.
+pkg=$(mktemp -d)
+ln -s "$PWD/agent" "$pkg/sdcguard"
+export PYTHONPATH=$pkg PYTHONSAFEPATH=1
+status=0
+{
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv
+    python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} 2>&1 | tee "$out/machine.txt"
+SDCGUARD_TEST_DEVICE=cuda python tests/fingerprint_triton_worker.py 2>&1 | tee "$out/kernel-cases.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+for backend in triton torch; do
+    python bench/fingerprint.py --device cuda --backend "$backend" --sizes 16,256,1024 --reps 10 2>&1 \
+        | tee "$out/fingerprint-$backend.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+done
+exit $status
