@@ -14,12 +14,15 @@ Inside a chunk of ``rows x C`` elements, with 0-based row r and column c (i = r*
 
     sum(b_i * (i + 1)) = C * sum_r r * rowsum_r + sum_c (c + 1) * colsum_c
 
-so no position tensor as long as the chunk is needed, only integer reductions. On CPU, chunks of
-about 1 MiB stay in cache between the row and the column reduction, and 1- and 2-byte elements
-are reduced in int32 (exact: a chunk's row and column sums cannot overflow it), which halves the
-work. On a GPU the same code runs with large chunks (few kernel launches), unless the fused Triton
-kernel of ``fingerprint_triton`` is available and passed its self-test; neither has yet been timed
-on a GPU (see bench/RESULTS.md). ``fingerprint_sums`` keeps results on the device so that many
+so no position tensor as long as the chunk is needed, only integer reductions. On a GPU the chunks
+are large (few kernel launches) and 1- and 2-byte elements are reduced in int32 where a chunk's
+sums cannot overflow it — unless the fused Triton kernel of ``fingerprint_triton`` is available
+and passed its self-test; neither has yet been timed on a GPU (see bench/RESULTS.md).
+
+On CPU, elements of up to 4 bytes go through BLAS instead: one float64 matrix product of the
+``rows x C`` chunk (in blocks of 32 rows) with the two columns ``[1, c + 1]`` gives every row's ``rowsum_r`` and
+``sum_c (c + 1) b[r, c]``. It is exact: ``|b| <= 2**31`` and ``sum(c + 1) < 2**22`` keep every
+product and partial sum an integer below 2**53, whatever order BLAS adds in. Each block is converted in cache and read once, 2-3x faster than two integer reductions. ``fingerprint_sums`` keeps results on the device so that many
 tensors cost one device-to-host transfer.
 """
 from __future__ import annotations
@@ -36,8 +39,10 @@ __all__ = ["Fingerprint", "fingerprint", "fingerprint_many", "fingerprint_sums",
            "digest", "fingerprint_reference"]
 
 _MASK = (1 << 64) - 1
-# Bytes per chunk on CPU: small enough to stay in cache for the second reduction over it.
-CHUNK_BYTES = 1 << 20
+# Elements per chunk on CPU (a non-contiguous tensor is copied chunk by chunk) ...
+CPU_CHUNK_ELEMENTS = 1 << 20
+# ... converted to float64 in blocks of this many rows (512 KiB), which stay in cache.
+_CPU_BLOCK_ROWS = 32
 # Elements per chunk on GPUs: reductions cast on load, so a chunk costs O(rows) temporary memory;
 # large chunks keep the number of kernel launches per tensor small.
 GPU_CHUNK_ELEMENTS = 1 << 26
@@ -109,7 +114,7 @@ def _use_triton(tensor: torch.Tensor, backend: str) -> bool:
 def _tensor_sums(tensor: torch.Tensor, chunk_elements: int | None, use_triton: bool) -> torch.Tensor:
     """``[s0, s1]`` of one tensor as int64 (wrapping) on its device."""
     if chunk_elements is None:
-        chunk_elements = GPU_CHUNK_ELEMENTS if tensor.is_cuda else max(_COLUMNS, CHUNK_BYTES // tensor.element_size())
+        chunk_elements = CPU_CHUNK_ELEMENTS if tensor.device.type == "cpu" else GPU_CHUNK_ELEMENTS
     if chunk_elements < _COLUMNS or chunk_elements % _COLUMNS or chunk_elements > 1 << 30:
         raise ValueError(f"chunk_elements must be a multiple of {_COLUMNS} up to 2**30")
     as_ints = _integer_view(tensor.detach())
@@ -120,14 +125,17 @@ def _tensor_sums(tensor: torch.Tensor, chunk_elements: int | None, use_triton: b
             fingerprint_triton.chunk_sums(piece, offset, sums)
             offset += piece.numel()
         return sums
-    # |b| <= 2**15 and at most 2**13 rows of 2**11: int32 row and column sums are exact.
-    narrow = tensor.element_size() <= 2 and chunk_elements <= _INT32_SAFE_ELEMENTS
-    acc = torch.int32 if narrow else torch.int64
+    if tensor.device.type == "cpu" and tensor.element_size() <= 4:
+        chunk_sums = _chunk_sums_by_matmul
+    else:
+        # |b| <= 2**15 and at most 2**13 rows of 2**11: int32 row and column sums are exact.
+        narrow = tensor.element_size() <= 2 and chunk_elements <= _INT32_SAFE_ELEMENTS
+        chunk_sums = functools.partial(_chunk_sums, acc=torch.int32 if narrow else torch.int64)
     s0 = torch.zeros((), dtype=torch.int64, device=tensor.device)
     s1 = torch.zeros((), dtype=torch.int64, device=tensor.device)
     offset = 0
     for piece in _flat_chunks(as_ints, chunk_elements):
-        c0, c1 = _chunk_sums(piece, acc)
+        c0, c1 = chunk_sums(piece)
         # Shift this chunk's positions by its offset: sum b*(offset + j + 1) = offset*sum b + ...
         s1 += c1 + c0 * offset
         s0 += c0
@@ -192,10 +200,8 @@ def _positions(start: int, stop: int, device: torch.device) -> torch.Tensor:
 
 def _chunk_sums(piece: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum b, sum b*(j+1)) of one contiguous 1-D chunk, j the position inside the chunk."""
-    n = piece.numel()
-    rows, tail = divmod(n, _COLUMNS)
-    s0 = torch.zeros((), dtype=torch.int64, device=piece.device)
-    s1 = torch.zeros((), dtype=torch.int64, device=piece.device)
+    rows = piece.numel() // _COLUMNS
+    s0, s1 = _tail_sums(piece, rows * _COLUMNS)
     if rows:
         body = piece[: rows * _COLUMNS].view(rows, _COLUMNS)
         row_sums = body.sum(dim=1, dtype=acc).to(torch.int64)
@@ -204,9 +210,43 @@ def _chunk_sums(piece: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, to
         c1 = _positions(1, _COLUMNS + 1, piece.device)
         s0 += row_sums.sum()
         s1 += (r * row_sums).sum() * _COLUMNS + (c1 * col_sums).sum()
-    if tail:
-        rest = piece[rows * _COLUMNS:].to(torch.int64)
-        pos = torch.arange(rows * _COLUMNS + 1, n + 1, dtype=torch.int64, device=piece.device)
-        s0 += rest.sum()
-        s1 += (rest * pos).sum()
     return s0, s1
+
+
+def _chunk_sums_by_matmul(piece: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same as :func:`_chunk_sums` for CPU chunks of <= 4-byte integers, by exact float64 GEMMs.
+
+    Blocks of ``_CPU_BLOCK_ROWS`` rows are converted into one reused float64 buffer (in cache)
+    and multiplied by ``[1, c + 1]``; only the per-row results (16 bytes per row) outlive a block."""
+    rows = piece.numel() // _COLUMNS
+    s0, s1 = _tail_sums(piece, rows * _COLUMNS)
+    if rows:
+        body = piece[: rows * _COLUMNS].view(rows, _COLUMNS)
+        per_row = torch.empty((rows, 2), dtype=torch.float64)  # [rowsum_r, sum_c (c+1) b[r, c]]
+        buffer = torch.empty((min(rows, _CPU_BLOCK_ROWS), _COLUMNS), dtype=torch.float64)
+        for start in range(0, rows, _CPU_BLOCK_ROWS):
+            block = body[start:start + _CPU_BLOCK_ROWS]
+            converted = buffer[: block.shape[0]]
+            converted.copy_(block)
+            torch.mm(converted, _row_weights(), out=per_row[start:start + block.shape[0]])
+        exact = per_row.to(torch.int64)
+        s0 += exact[:, 0].sum()
+        s1 += (_positions(0, rows, piece.device) * exact[:, 0]).sum() * _COLUMNS + exact[:, 1].sum()
+    return s0, s1
+
+
+@functools.lru_cache(maxsize=1)
+def _row_weights() -> torch.Tensor:
+    """The ``C x 2`` float64 matrix ``[1, c + 1]`` (CPU)."""
+    ones = torch.ones(_COLUMNS, dtype=torch.float64)
+    return torch.stack([ones, torch.arange(1, _COLUMNS + 1, dtype=torch.float64)], dim=1)
+
+
+def _tail_sums(piece: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum b, sum b*(j+1)) over ``piece[start:]``, the part shorter than one row."""
+    if start == piece.numel():
+        zero = torch.zeros((), dtype=torch.int64, device=piece.device)
+        return zero, zero.clone()
+    rest = piece[start:].to(torch.int64)
+    pos = torch.arange(start + 1, piece.numel() + 1, dtype=torch.int64, device=piece.device)
+    return rest.sum(), (rest * pos).sum()

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from sdcguard.fingerprint import _COLUMNS, Fingerprint, digest, fingerprint, fingerprint_reference
+from sdcguard.fingerprint import _COLUMNS, CPU_CHUNK_ELEMENTS, Fingerprint, digest, fingerprint, fingerprint_reference
 
 M = 1 << 64
 
@@ -98,7 +98,8 @@ def test_unsupported_width_is_a_clear_error():
 # -- chunking and layout --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [0, 1, _COLUMNS - 1, _COLUMNS, _COLUMNS + 1, 2 * _COLUMNS, 3 * _COLUMNS + 5,
-                               4 * _COLUMNS - 1, 4 * _COLUMNS, 4 * _COLUMNS + 1, 9 * _COLUMNS + 13])
+                               4 * _COLUMNS - 1, 4 * _COLUMNS, 4 * _COLUMNS + 1, 9 * _COLUMNS + 13,
+                               32 * _COLUMNS, 33 * _COLUMNS + 5])  # 32 rows: one CPU GEMM block
 def test_chunk_boundaries(n):
     t = torch.randn(n)
     expected = _reference(t)
@@ -128,6 +129,18 @@ def test_large_chunks_take_the_int64_path_and_agree(dtype):
     # chunks past 2**24 elements (the GPU default) reduce narrow types in int64, not int32
     t = (torch.randn(3 * _COLUMNS + 7) * 100).to(dtype)
     assert fingerprint(t, chunk_elements=1 << 25) == fingerprint(t) == _reference(t)
+
+
+@pytest.mark.parametrize("dtype,value", [
+    (torch.int32, -2 ** 31), (torch.int32, 2 ** 31 - 1), (torch.int16, -2 ** 15), (torch.int16, 2 ** 15 - 1),
+    (torch.uint8, 255), (torch.int64, -2 ** 63),
+], ids=str)
+def test_extreme_values_stay_exact(dtype, value):
+    # The CPU GEMM path is exact only while every partial sum stays below 2**53: the largest
+    # magnitudes over several chunks (and a ragged tail) must still match the closed form.
+    n = 2 * CPU_CHUNK_ELEMENTS + 3 * _COLUMNS + 7
+    t = torch.full((n,), value, dtype=dtype)
+    assert fingerprint(t) == (value * n % M, value * (n * (n + 1) // 2) % M)
 
 
 def test_chunk_size_is_validated():
