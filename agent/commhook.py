@@ -83,6 +83,14 @@ def record_then_reduce(
     if state.audit:
         state.record_fingerprints(bucket)
 
+    if state.inner_hook is allreduce_mean:  # the common case: one callback, not two
+        def record_mean(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            reduced = fut.value()[0]
+            state.reduced_sq[index] = _squared_norm(reduced)
+            return reduced
+
+        return _launch_mean(state.inner_state, bucket.buffer()).then(record_mean)
+
     def record_reduced(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         reduced = fut.value()
         state.reduced_sq[index] = _squared_norm(reduced)
@@ -97,11 +105,15 @@ def allreduce_mean(
     """Average the bucket exactly as DDP's built-in reducer does — multiply by 1/W, then sum —
     so a run under sdcguard is bit-identical to the same run without it. (PyTorch's Python
     ``allreduce_hook`` divides instead, which rounds differently.)"""
+    return _launch_mean(process_group, bucket.buffer()).then(lambda fut: fut.value()[0])
+
+
+def _launch_mean(process_group: dist.ProcessGroup | None, buffer: torch.Tensor) -> torch.futures.Future[list[torch.Tensor]]:
+    """Scale by 1/W in place and start the sum, straight on the process group (this runs once
+    per bucket and step: the Python wrappers of ``dist.all_reduce`` are measurable there)."""
     group = process_group if process_group is not None else dist.group.WORLD
-    buffer = bucket.buffer()
-    buffer.mul_(1.0 / dist.get_world_size(group))
-    fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+    buffer.mul_(1.0 / group.size())
+    return group.allreduce([buffer]).get_future()
 
 
 def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:

@@ -15,17 +15,21 @@ import torch.distributed as dist
 
 DIGEST_BYTES = 16
 
+# torch 2.13 renamed all_gather_into_tensor (now deprecated); older releases have only that.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 TRAFFIC: Counter[str] = Counter()
 """Bytes this rank has contributed to each kind of exchange (its own payload, not the copies a
 collective algorithm makes): what `bench/exchange_bytes.py` reports and the stats export."""
 
 
-def gather_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None, label: str) -> list[torch.Tensor]:
-    """All-gather one small tensor per rank."""
+def gather_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None, label: str) -> torch.Tensor:
+    """All-gather one small tensor per rank into one tensor: ``result[rank]`` is that rank's."""
     TRAFFIC[label] += tensor.numel() * tensor.element_size()
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor, group=group)
-    return parts
+    flat = tensor.reshape(-1)
+    out = flat.new_empty(dist.get_world_size(group) * flat.numel())  # gloo wants it flat
+    _all_gather_single(out, flat, group=group)
+    return out.view(-1, *tensor.shape)
 
 
 def gather_digests(digests: list[bytes], device: torch.device, group: dist.ProcessGroup | None) -> list[list[bytes]]:

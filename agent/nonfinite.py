@@ -17,8 +17,7 @@ from .verdict import Verdict
 
 def gather_norms(norms: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[tuple[float, float]]:
     """All ranks' ``[local, reduced]`` squared norms, indexed by rank."""
-    parts = gather_tensor(norms, group, "norms")
-    return [(float(p[0]), float(p[1])) for p in parts]
+    return [(local, reduced) for local, reduced in gather_tensor(norms, group, "norms").tolist()]
 
 
 def nonfinite_local_ranks(norms: list[tuple[float, float]]) -> list[int]:

@@ -2,11 +2,14 @@
 
     .venv/bin/python bench/overhead.py [--rounds 5] [--window 100]
 
-Launches 3 gloo ranks (one thread each) training bench/gpt.py's TinyGPT. In one run, interleaved
-round by round, four configurations each train a window of steps on their own DDP replica:
-plain DDP, sdcguard with checks 1 and 3 only (weight check every 100), audits every 100, audits
-every 10. A configuration's time is the median over rounds of its mean step time per window (a
-window holds whole audit periods, so audit steps are counted, not hidden by a median).
+Launches 3 gloo ranks (one thread each) training bench/gpt.py's TinyGPT. Four configurations,
+each on its own DDP replica: plain DDP, sdcguard with checks 1 and 3 only (weight check every
+100), audits every 100, audits every 10. A round trains every configuration for the same window
+of steps (whole audit periods, so audit steps are counted, not hidden by a median), interleaved
+slice by slice (10 steps of each in turn), so that a burst of noise from a neighbour on this
+shared machine lands on all four alike. A configuration's figure is the median over rounds of
+its time divided by plain DDP's time in the same round; the spread over rounds (min-max) is
+printed beside it.
 
 The floor for audits every N is 1 + t_replay / (N * t_step): a replay is one more forward and
 backward per N steps; t_replay is measured in the same run as the bare module's forward+backward.
@@ -22,6 +25,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+SLICE = 10  # steps of one configuration before the next takes its turn
+AUDIT_EVERY = {"audit every 100": 100, "audit every 10": 10}
 
 
 def worker(out: str, rounds: int, window: int) -> None:
@@ -76,12 +81,16 @@ def worker(out: str, rounds: int, window: int) -> None:
     replay_times = []
     step0 = 10
     for _ in range(rounds):
-        for name, fn in configs.items():
-            dist.barrier()
-            started = time.perf_counter()
-            for step in range(step0, step0 + window):
-                fn(step)
-            means[name].append((time.perf_counter() - started) / window)
+        spent = dict.fromkeys(configs, 0.0)
+        for first in range(step0, step0 + window, SLICE):
+            for name, fn in configs.items():
+                dist.barrier()
+                started = time.perf_counter()
+                for step in range(first, min(first + SLICE, step0 + window)):
+                    fn(step)
+                spent[name] += time.perf_counter() - started
+        for name in configs:
+            means[name].append(spent[name] / window)
         started = time.perf_counter()
         for step in range(10):
             replay_like(step)
@@ -109,16 +118,21 @@ def main() -> int:
                         __file__, "--rounds", str(args.rounds), "--window", str(args.window), "--worker", str(out)],
                        check=True, env=env)
         result = json.loads(out.read_text())
-    median = {name: statistics.median(v) for name, v in result["means"].items()}
-    t_step = median["plain DDP"]
-    t_replay = statistics.median(result["replay"])
-    print(f"{args.ranks} gloo ranks, 1 thread each, TinyGPT; {args.rounds} rounds x {args.window} steps per configuration")
-    print(f"plain DDP step {t_step * 1e3:.1f} ms; replay (forward+backward) {t_replay * 1e3:.1f} ms")
-    print(f"{'configuration':24s} {'ms/step':>8s} {'x plain':>8s} {'floor':>7s} {'x floor':>8s}")
-    for name, t in median.items():
-        n = {"audit every 100": 100, "audit every 10": 10}.get(name)
-        floor = 1 + t_replay / (n * t_step) if n else 1.0
-        print(f"{name:24s} {t * 1e3:8.1f} {t / t_step:8.3f} {floor:7.3f} {t / t_step / floor:8.3f}")
+    means, replays = result["means"], result["replay"]
+    plain = means["plain DDP"]
+    print(f"{args.ranks} gloo ranks, 1 thread each, TinyGPT; {args.rounds} rounds x {args.window} steps per "
+          f"configuration, interleaved {SLICE} steps at a time")
+    print(f"plain DDP step {statistics.median(plain) * 1e3:.1f} ms; replay (forward+backward) "
+          f"{statistics.median(replays) * 1e3:.1f} ms")
+    print(f"{'configuration':24s} {'ms/step':>8s} {'x plain':>8s} {'(min-max)':>13s} {'floor':>7s} {'x plain - floor':>16s}")
+    for name, times in means.items():
+        n = AUDIT_EVERY.get(name)
+        # Paired within each round: this configuration against plain DDP in the same round.
+        ratios = [t / p for t, p in zip(times, plain)]
+        floors = [1 + r / (n * p) if n else 1.0 for r, p in zip(replays, plain)]
+        excess = statistics.median(x - f for x, f in zip(ratios, floors))
+        print(f"{name:24s} {statistics.median(times) * 1e3:8.1f} {statistics.median(ratios):8.3f} "
+              f"{f'({min(ratios):.3f}-{max(ratios):.3f})':>13s} {statistics.median(floors):7.3f} {excess:+16.3f}")
     return 0
 
 
