@@ -9,47 +9,31 @@ over the flattened (row-major) tensor. ``s0`` catches any changed value, ``s1`` 
 values that traded places. Integer addition is associative, so the answer does not depend on how a
 kernel splits the work: a CPU, a GPU and a pure-Python reference all give the same two numbers.
 
-The flat tensor is processed in chunks so temporary memory stays bounded however large it is.
-Inside a chunk of ``rows x C`` elements, with 0-based row r and column c (i = r*C + c):
-
-    sum(b_i * (i + 1)) = C * sum_r r * rowsum_r + sum_c (c + 1) * colsum_c
-
-so no position tensor as long as the chunk is needed, only integer reductions. On a GPU the chunks
-are large (few kernel launches) and 1- and 2-byte elements are reduced in int32 where a chunk's
-sums cannot overflow it — unless the fused Triton kernel of ``fingerprint_triton`` is available
-and passed its self-test; neither has yet been timed on a GPU (see bench/RESULTS.md).
-
-On CPU, elements of up to 4 bytes go through BLAS instead: one float64 matrix product of the
-``rows x C`` chunk (in blocks of 32 rows) with the two columns ``[1, c + 1]`` gives every row's ``rowsum_r`` and
-``sum_c (c + 1) b[r, c]``. It is exact: ``|b| <= 2**31`` and ``sum(c + 1) < 2**22`` keep every
-product and partial sum an integer below 2**53, whatever order BLAS adds in. Each block is converted in cache and read once, 2-3x faster than two integer reductions. ``fingerprint_sums`` keeps results on the device so that many
-tensors cost one device-to-host transfer.
+The flat tensor is processed in chunks so temporary memory stays bounded however large it is; how
+a chunk is reduced depends on the device: ``fingerprint_triton`` (a fused kernel, on GPUs where it
+passed its self-test), ``fingerprint_torch`` (integer reductions on GPUs without it; exact float64
+GEMMs on CPU, small tensors packed together). Neither GPU path has been timed on a GPU yet (see
+bench/RESULTS.md). ``fingerprint_sums`` keeps results on the device so that many tensors cost one
+device-to-host transfer.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from . import fingerprint_triton
+from . import fingerprint_torch, fingerprint_triton
+from .fingerprint_torch import COLUMNS as _COLUMNS
 
 __all__ = ["Fingerprint", "fingerprint", "fingerprint_many", "fingerprint_sums", "to_fingerprints",
            "digest", "fingerprint_reference"]
 
 _MASK = (1 << 64) - 1
-# Elements per chunk on CPU (a non-contiguous tensor is copied chunk by chunk) ...
+# Elements per chunk (a non-contiguous tensor is copied chunk by chunk): on CPU a few MiB;
+# on GPUs reductions cast on load, and large chunks keep kernel launches per tensor few.
 CPU_CHUNK_ELEMENTS = 1 << 20
-# ... converted to float64 in blocks of this many rows (512 KiB), which stay in cache.
-_CPU_BLOCK_ROWS = 32
-# Elements per chunk on GPUs: reductions cast on load, so a chunk costs O(rows) temporary memory;
-# large chunks keep the number of kernel launches per tensor small.
 GPU_CHUNK_ELEMENTS = 1 << 26
-# Narrow (1- and 2-byte) elements are summed in int32 when a chunk is at most this long.
-_INT32_SAFE_ELEMENTS = 1 << 24
-# Columns of the rows x C view of a chunk; the chunk size is a multiple of it.
-_COLUMNS = 1 << 11
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -90,7 +74,19 @@ def fingerprint_sums(tensors: Sequence[torch.Tensor], *, chunk_elements: int | N
     ``"torch"``, or ``"triton"`` (an error where it cannot run)."""
     if not tensors:
         return torch.zeros((0, 2), dtype=torch.int64)
+    if chunk_elements is None and backend != "triton" and any(map(fingerprint_torch.packable, tensors)):
+        return _cpu_sums(tensors)
     return torch.stack([_tensor_sums(t, chunk_elements, _use_triton(t, backend)) for t in tensors])
+
+
+def _cpu_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Small tensors packed together, the others one by one."""
+    small = [i for i, t in enumerate(tensors) if fingerprint_torch.packable(t)]
+    out = torch.empty((len(tensors), 2), dtype=torch.int64)
+    out[small] = fingerprint_torch.packed_sums([_integer_view(tensors[i].detach()).reshape(-1) for i in small])
+    for i in sorted(set(range(len(tensors))) - set(small)):
+        out[i] = _tensor_sums(tensors[i], None, use_triton=False)
+    return out
 
 
 def to_fingerprints(sums: torch.Tensor) -> list[Fingerprint]:
@@ -125,12 +121,8 @@ def _tensor_sums(tensor: torch.Tensor, chunk_elements: int | None, use_triton: b
             fingerprint_triton.chunk_sums(piece, offset, sums)
             offset += piece.numel()
         return sums
-    if tensor.device.type == "cpu" and tensor.element_size() <= 4:
-        chunk_sums = _chunk_sums_by_matmul
-    else:
-        # |b| <= 2**15 and at most 2**13 rows of 2**11: int32 row and column sums are exact.
-        narrow = tensor.element_size() <= 2 and chunk_elements <= _INT32_SAFE_ELEMENTS
-        chunk_sums = functools.partial(_chunk_sums, acc=torch.int32 if narrow else torch.int64)
+    by_matmul = tensor.device.type == "cpu" and tensor.element_size() <= 4
+    chunk_sums = fingerprint_torch.chunk_sums_by_matmul if by_matmul else fingerprint_torch.chunk_sums
     s0 = torch.zeros((), dtype=torch.int64, device=tensor.device)
     s1 = torch.zeros((), dtype=torch.int64, device=tensor.device)
     offset = 0
@@ -193,60 +185,3 @@ def _flat_chunks(tensor: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
             yield from _flat_chunks(slab[0], limit)
 
 
-@functools.lru_cache(maxsize=32)
-def _positions(start: int, stop: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(start, stop, dtype=torch.int64, device=device)
-
-
-def _chunk_sums(piece: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum b, sum b*(j+1)) of one contiguous 1-D chunk, j the position inside the chunk."""
-    rows = piece.numel() // _COLUMNS
-    s0, s1 = _tail_sums(piece, rows * _COLUMNS)
-    if rows:
-        body = piece[: rows * _COLUMNS].view(rows, _COLUMNS)
-        row_sums = body.sum(dim=1, dtype=acc).to(torch.int64)
-        col_sums = body.sum(dim=0, dtype=acc).to(torch.int64)
-        r = _positions(0, rows, piece.device)
-        c1 = _positions(1, _COLUMNS + 1, piece.device)
-        s0 += row_sums.sum()
-        s1 += (r * row_sums).sum() * _COLUMNS + (c1 * col_sums).sum()
-    return s0, s1
-
-
-def _chunk_sums_by_matmul(piece: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same as :func:`_chunk_sums` for CPU chunks of <= 4-byte integers, by exact float64 GEMMs.
-
-    Blocks of ``_CPU_BLOCK_ROWS`` rows are converted into one reused float64 buffer (in cache)
-    and multiplied by ``[1, c + 1]``; only the per-row results (16 bytes per row) outlive a block."""
-    rows = piece.numel() // _COLUMNS
-    s0, s1 = _tail_sums(piece, rows * _COLUMNS)
-    if rows:
-        body = piece[: rows * _COLUMNS].view(rows, _COLUMNS)
-        per_row = torch.empty((rows, 2), dtype=torch.float64)  # [rowsum_r, sum_c (c+1) b[r, c]]
-        buffer = torch.empty((min(rows, _CPU_BLOCK_ROWS), _COLUMNS), dtype=torch.float64)
-        for start in range(0, rows, _CPU_BLOCK_ROWS):
-            block = body[start:start + _CPU_BLOCK_ROWS]
-            converted = buffer[: block.shape[0]]
-            converted.copy_(block)
-            torch.mm(converted, _row_weights(), out=per_row[start:start + block.shape[0]])
-        exact = per_row.to(torch.int64)
-        s0 += exact[:, 0].sum()
-        s1 += (_positions(0, rows, piece.device) * exact[:, 0]).sum() * _COLUMNS + exact[:, 1].sum()
-    return s0, s1
-
-
-@functools.lru_cache(maxsize=1)
-def _row_weights() -> torch.Tensor:
-    """The ``C x 2`` float64 matrix ``[1, c + 1]`` (CPU)."""
-    ones = torch.ones(_COLUMNS, dtype=torch.float64)
-    return torch.stack([ones, torch.arange(1, _COLUMNS + 1, dtype=torch.float64)], dim=1)
-
-
-def _tail_sums(piece: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum b, sum b*(j+1)) over ``piece[start:]``, the part shorter than one row."""
-    if start == piece.numel():
-        zero = torch.zeros((), dtype=torch.int64, device=piece.device)
-        return zero, zero.clone()
-    rest = piece[start:].to(torch.int64)
-    pos = torch.arange(start + 1, piece.numel() + 1, dtype=torch.int64, device=piece.device)
-    return rest.sum(), (rest * pos).sum()

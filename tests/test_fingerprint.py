@@ -2,7 +2,10 @@
 import pytest
 import torch
 
-from sdcguard.fingerprint import _COLUMNS, CPU_CHUNK_ELEMENTS, Fingerprint, digest, fingerprint, fingerprint_reference
+from sdcguard import fingerprint_torch
+from sdcguard.fingerprint import (
+    _COLUMNS, CPU_CHUNK_ELEMENTS, Fingerprint, digest, fingerprint, fingerprint_many, fingerprint_reference,
+)
 
 M = 1 << 64
 
@@ -124,25 +127,6 @@ def test_non_contiguous_input(make):
     assert fingerprint(t, chunk_elements=_COLUMNS) == expected  # slab-by-slab path
 
 
-@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16, torch.float32, torch.float64], ids=str)
-def test_large_chunks_take_the_int64_path_and_agree(dtype):
-    # chunks past 2**24 elements (the GPU default) reduce narrow types in int64, not int32
-    t = (torch.randn(3 * _COLUMNS + 7) * 100).to(dtype)
-    assert fingerprint(t, chunk_elements=1 << 25) == fingerprint(t) == _reference(t)
-
-
-@pytest.mark.parametrize("dtype,value", [
-    (torch.int32, -2 ** 31), (torch.int32, 2 ** 31 - 1), (torch.int16, -2 ** 15), (torch.int16, 2 ** 15 - 1),
-    (torch.uint8, 255), (torch.int64, -2 ** 63),
-], ids=str)
-def test_extreme_values_stay_exact(dtype, value):
-    # The CPU GEMM path is exact only while every partial sum stays below 2**53: the largest
-    # magnitudes over several chunks (and a ragged tail) must still match the closed form.
-    n = 2 * CPU_CHUNK_ELEMENTS + 3 * _COLUMNS + 7
-    t = torch.full((n,), value, dtype=dtype)
-    assert fingerprint(t) == (value * n % M, value * (n * (n + 1) // 2) % M)
-
-
 def test_chunk_size_is_validated():
     with pytest.raises(ValueError, match="multiple of 2048"):
         fingerprint(torch.zeros(4), chunk_elements=1000)
@@ -158,3 +142,51 @@ def test_digest_depends_on_order_and_content():
     assert digest([a, b]) != digest([b, a])
     assert digest([a, b]) == digest([Fingerprint(1, 2), Fingerprint(3, 4)])
     assert len(digest([a])) == 16
+
+
+# -- the individual torch paths, each against the definition ---------------------------------------
+# (On CPU the dispatcher uses the GEMM and packed paths; the integer path serves GPUs without
+# Triton and 8-byte elements. Each is checked here directly, on CPU.)
+
+def _int_view(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float16, torch.bfloat16, torch.float32, torch.int64], ids=str)
+@pytest.mark.parametrize("n", [5, _COLUMNS, 40 * _COLUMNS + 3])
+def test_integer_path_matches_the_reference(dtype, n):
+    t = torch.randint(0, 256, (n * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8).view(dtype)
+    s0, s1 = fingerprint_torch.chunk_sums(_int_view(t))
+    assert (int(s0) % M, int(s1) % M) == _reference(t)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("n", [5, _COLUMNS, 40 * _COLUMNS + 3])
+def test_gemm_path_matches_the_reference(dtype, n):
+    t = torch.randint(0, 256, (n * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8).view(dtype)
+    s0, s1 = fingerprint_torch.chunk_sums_by_matmul(_int_view(t))
+    assert (int(s0) % M, int(s1) % M) == _reference(t)
+
+
+def test_many_tensors_pack_and_match_one_by_one():
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(n, generator=gen) for n in (1, 128, _COLUMNS, _COLUMNS + 1, 7 * _COLUMNS - 3)] * 25  # > 1 pack
+    tensors += [
+        torch.randn(32 * _COLUMNS, generator=gen),                       # largest packed
+        torch.randn(32 * _COLUMNS + 1, generator=gen),                   # one by one
+        torch.randn(64, 33, generator=gen).t(),                          # non-contiguous, packed
+        torch.randint(-9, 9, (300,), dtype=torch.int64, generator=gen),  # 8 bytes: one by one
+        torch.zeros(0), torch.tensor(1.5), torch.randn(50, generator=gen).bfloat16(),
+        torch.randint(0, 255, (999,), dtype=torch.uint8, generator=gen),
+    ]
+    many = fingerprint_many(tensors)
+    assert many == [fingerprint(t, chunk_elements=_COLUMNS) for t in tensors]
+    assert many == [_reference(t) for t in tensors]
+
+
+def test_integer_path_switches_to_int64_where_int32_could_overflow():
+    # Past 2**24 narrow elements a column sum could exceed int32: the path must widen.
+    n = fingerprint_torch.INT32_SAFE_ELEMENTS + _COLUMNS + 5
+    t = torch.full((n,), -2 ** 15, dtype=torch.int16)
+    s0, s1 = fingerprint_torch.chunk_sums(t)
+    assert (int(s0) % M, int(s1) % M) == (-2 ** 15 * n % M, -2 ** 15 * (n * (n + 1) // 2) % M)

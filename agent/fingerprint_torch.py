@@ -1,0 +1,149 @@
+"""The fingerprint's torch implementations: integer reductions, and exact float64 GEMMs on CPU.
+
+All work on contiguous 1-D integer views (see ``fingerprint.py`` for the definition) and return
+``(sum b, sum b*(j+1))`` as int64 scalars on the input's device, j the position in the input.
+With a chunk seen as a ``rows x C`` matrix (0-based row r, column c, j = r*C + c):
+
+    sum(b_j * (j + 1)) = C * sum_r r * rowsum_r + sum_c (c + 1) * colsum_c
+
+so no position tensor as long as the chunk is needed.
+
+- ``chunk_sums``: row and column sums in integers (GPUs, and 8-byte elements anywhere). 1- and
+  2-byte elements are summed in int32 where a chunk's sums cannot overflow it.
+- ``chunk_sums_by_matmul`` (CPU, elements of up to 4 bytes): one float64 matrix product of each
+  block of rows with the two columns ``[1, c + 1]`` gives every row's ``rowsum_r`` and
+  ``sum_c (c + 1) b[r, c]``. Exact: ``|b| <= 2**31`` and ``sum(c + 1) < 2**22`` keep every product
+  and partial sum an integer below 2**53, whatever order BLAS adds in. A block is converted in
+  cache and read once: 2-3x faster than two integer reductions.
+- ``packed_sums`` (CPU): many small tensors — biases, norms — at the cost of one copy each. Each
+  starts a new row of one shared zero-padded buffer, one GEMM covers them all and the rows are
+  summed per tensor. A model's parameters then cost a few dozen operations, not ten per tensor.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+
+# Columns of the rows x C view of a chunk; chunk sizes are multiples of it.
+COLUMNS = 1 << 11
+# Narrow (1- and 2-byte) elements are summed in int32 when a chunk is at most this long:
+# |b| <= 2**15 and at most 2**13 rows of 2**11 keep int32 row and column sums exact.
+INT32_SAFE_ELEMENTS = 1 << 24
+# Rows converted to float64 at a time on CPU (512 KiB: stays in cache).
+_BLOCK_ROWS = 32
+# Tensors of at most this many rows are packed, into float64 buffers of at most _PACK_ROWS rows
+# (4 MiB).
+_PACK_MAX_ROWS = 32
+_PACK_ROWS = 256
+
+
+def chunk_sums(piece: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column sums in integers (int32 for narrow elements where exact)."""
+    narrow = piece.element_size() <= 2 and piece.numel() <= INT32_SAFE_ELEMENTS
+    acc = torch.int32 if narrow else torch.int64
+    rows = piece.numel() // COLUMNS
+    s0, s1 = _tail_sums(piece, rows * COLUMNS)
+    if rows:
+        body = piece[: rows * COLUMNS].view(rows, COLUMNS)
+        row_sums = body.sum(dim=1, dtype=acc).to(torch.int64)
+        col_sums = body.sum(dim=0, dtype=acc).to(torch.int64)
+        r = _positions(0, rows, piece.device)
+        c1 = _positions(1, COLUMNS + 1, piece.device)
+        s0 += row_sums.sum()
+        s1 += (r * row_sums).sum() * COLUMNS + (c1 * col_sums).sum()
+    return s0, s1
+
+
+def chunk_sums_by_matmul(piece: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact float64 GEMMs over blocks of rows (CPU, elements of up to 4 bytes)."""
+    rows = piece.numel() // COLUMNS
+    s0, s1 = _tail_sums(piece, rows * COLUMNS)
+    if rows:
+        body = piece[: rows * COLUMNS].view(rows, COLUMNS)
+        per_row = torch.empty((rows, 2), dtype=torch.float64)  # [rowsum_r, sum_c (c+1) b[r, c]]
+        buffer = torch.empty((min(rows, _BLOCK_ROWS), COLUMNS), dtype=torch.float64)
+        for start in range(0, rows, _BLOCK_ROWS):
+            block = body[start:start + _BLOCK_ROWS]
+            converted = buffer[: block.shape[0]]
+            converted.copy_(block)
+            torch.mm(converted, _row_weights(), out=per_row[start:start + block.shape[0]])
+        exact = per_row.to(torch.int64)
+        s0 += exact[:, 0].sum()
+        s1 += (_positions(0, rows, piece.device) * exact[:, 0]).sum() * COLUMNS + exact[:, 1].sum()
+    return s0, s1
+
+
+def packable(tensor: torch.Tensor) -> bool:
+    """Small CPU tensors of up to 4-byte elements go through :func:`packed_sums`."""
+    return (tensor.device.type == "cpu" and tensor.element_size() <= 4
+            and 0 < tensor.numel() <= _PACK_MAX_ROWS * COLUMNS)
+
+
+def packed_sums(flats: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``(len(flats), 2)`` int64 sums of small 1-D integer views (see :func:`packable`)."""
+    out = torch.empty((len(flats), 2), dtype=torch.int64)
+    first = 0
+    while first < len(flats):
+        # Fill one buffer with as many whole tensors as fit.
+        last, rows = first, 0
+        while last < len(flats) and rows + _rows(flats[last]) <= _PACK_ROWS:
+            rows += _rows(flats[last])
+            last += 1
+        out[first:last] = _one_pack(flats[first:last])
+        first = last
+    return out
+
+
+def _one_pack(flats: Sequence[torch.Tensor]) -> torch.Tensor:
+    counts = tuple(_rows(f) for f in flats)
+    packed = torch.empty((sum(counts), COLUMNS), dtype=torch.float64)
+    row = 0
+    for flat, count in zip(flats, counts):
+        area = packed[row:row + count].view(-1)
+        area[: flat.numel()].copy_(flat)
+        area[flat.numel():].zero_()  # the padding adds nothing to either sum
+        row += count
+    per_row = torch.mm(packed, _row_weights()).to(torch.int64)
+    owner, local_row = _layout(counts)
+    s0 = torch.zeros(len(flats), dtype=torch.int64).index_add_(0, owner, per_row[:, 0])
+    s1 = torch.zeros(len(flats), dtype=torch.int64).index_add_(
+        0, owner, local_row * per_row[:, 0] * COLUMNS + per_row[:, 1])
+    return torch.stack([s0, s1], dim=1)
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(counts: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each packed row: which tensor owns it, and its row index inside that tensor.
+    (A model's parameters pack the same way every step: cached.)"""
+    sizes = torch.tensor(counts, dtype=torch.int64)
+    owner = torch.repeat_interleave(torch.arange(len(counts)), sizes)
+    starts = torch.cumsum(sizes, 0) - sizes
+    return owner, torch.arange(int(sizes.sum())) - starts[owner]
+
+
+def _rows(flat: torch.Tensor) -> int:
+    return -(-flat.numel() // COLUMNS)
+
+
+@functools.lru_cache(maxsize=1)
+def _row_weights() -> torch.Tensor:
+    """The ``C x 2`` float64 matrix ``[1, c + 1]`` (CPU)."""
+    ones = torch.ones(COLUMNS, dtype=torch.float64)
+    return torch.stack([ones, torch.arange(1, COLUMNS + 1, dtype=torch.float64)], dim=1)
+
+
+def _tail_sums(piece: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum b, sum b*(j+1)) over ``piece[start:]``, the part shorter than one row."""
+    if start == piece.numel():
+        zero = torch.zeros((), dtype=torch.int64, device=piece.device)
+        return zero, zero.clone()
+    rest = piece[start:].to(torch.int64)
+    pos = torch.arange(start + 1, piece.numel() + 1, dtype=torch.int64, device=piece.device)
+    return rest.sum(), (rest * pos).sum()
+
+
+@functools.lru_cache(maxsize=32)
+def _positions(start: int, stop: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(start, stop, dtype=torch.int64, device=device)
