@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .alarm import CHECK_NONFINITE_LOCAL, CHECK_REPLAY
-from .exchange import broadcast_digest, gather_digests, gather_objects, gather_tensor, ring_exchange
+from .exchange import broadcast_digest, gather_objects, gather_tensor, ring_exchange, ring_transfer
 from .replay import PassResult, Payload, replay
 from .topology import Topology
 from .verdict import Verdict, parameter_summary
@@ -45,14 +45,20 @@ class Replayer:
 
     # -- check 2 -------------------------------------------------------------------------------
 
-    def audit(self, own: PassResult, payload: Payload,
-              scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Verdict | None:
-        """The ring replay; None when every replay matched its original bit for bit."""
+    def replay_neighbour(self, blob: torch.Tensor, incoming: int,
+                         scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PassResult:
+        """Send this rank's serialized payload to its replayer, receive (``incoming`` bytes) and
+        replay the batch of the rank it audits."""
         topo, me = self.topology, self.topology.rank
-        theirs = ring_exchange(payload, send_to=topo.replayer_of(me), recv_from=topo.replay_target(me),
-                               device=self.device, group=self.group)
-        mine = self.run(theirs, scale)
-        digests = gather_digests([own.digest(), mine.digest()], self.device, self.group)
+        theirs = ring_transfer(blob, send_to=topo.replayer_of(me), recv_from=topo.replay_target(me),
+                               incoming=incoming, device=self.device, group=self.group)
+        return self.run(theirs, scale)
+
+    def judge(self, own: PassResult, mine: PassResult, digests: list[list[bytes]], payload: Payload,
+              scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Verdict | None:
+        """The ring's verdict from every rank's ``[own pass, replay]`` digests; None when every
+        replay matched its original bit for bit. Every rank calls it and reaches the same one."""
+        topo, me = self.topology, self.topology.rank
         pairs = [(r, topo.replay_target(r)) for r in range(topo.world_size)
                  if digests[r][1] != digests[topo.replay_target(r)][0]]
         if not pairs:

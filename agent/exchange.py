@@ -58,12 +58,19 @@ def ring_exchange(payload: Any, send_to: int | None, recv_from: int | None, devi
     Sizes go first, then bytes; every transfer is posted non-blocking before any wait. Either
     side may be None (this rank only sends, or only receives). Ranks are group ranks.
     """
-    blob = _to_bytes(payload) if send_to is not None else None
-    TRAFFIC["batches"] += blob.numel() if blob is not None else 0
+    blob = serialize(payload) if send_to is not None else None
     size_out = torch.tensor([blob.numel() if blob is not None else 0], dtype=torch.int64, device=device)
     size_in = torch.zeros(1, dtype=torch.int64, device=device)
     _wait(_post(size_out, send_to, size_in, recv_from, group))
-    buffer = torch.empty(int(size_in.item()), dtype=torch.uint8, device=device) if recv_from is not None else None
+    return ring_transfer(blob, send_to, recv_from, int(size_in.item()), device, group)
+
+
+def ring_transfer(blob: torch.Tensor | None, send_to: int | None, recv_from: int | None, incoming: int,
+                  device: torch.device, group: dist.ProcessGroup | None) -> Any:
+    """:func:`ring_exchange` once the ``incoming`` size is known (the audit step learns every
+    rank's payload size from check 1's all-gather: one synchronisation fewer)."""
+    TRAFFIC["batches"] += blob.numel() if blob is not None and send_to is not None else 0
+    buffer = torch.empty(incoming, dtype=torch.uint8, device=device) if recv_from is not None else None
     _wait(_post(blob.to(device) if blob is not None else None, send_to, buffer, recv_from, group))
     return _from_bytes(buffer, device) if buffer is not None else None
 
@@ -104,7 +111,8 @@ def _global(group: dist.ProcessGroup | None, rank: int) -> int:
     return rank if group is None or group == dist.group.WORLD else dist.get_global_rank(group, rank)
 
 
-def _to_bytes(payload: Any) -> torch.Tensor:
+def serialize(payload: Any) -> torch.Tensor:
+    """A payload as the uint8 tensor :func:`ring_transfer` sends."""
     buf = io.BytesIO()
     torch.save(payload, buf)
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)

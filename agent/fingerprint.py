@@ -72,6 +72,8 @@ def fingerprint_sums(tensors: Sequence[torch.Tensor], *, chunk_elements: int | N
 
     ``backend``: ``"auto"`` (the Triton kernel on GPUs where it passed its self-test, else torch),
     ``"torch"``, or ``"triton"`` (an error where it cannot run)."""
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', not {backend!r}")
     if not tensors:
         return torch.zeros((0, 2), dtype=torch.int64)
     if chunk_elements is None and backend != "triton" and any(map(fingerprint_torch.packable, tensors)):
@@ -102,9 +104,7 @@ def _use_triton(tensor: torch.Tensor, backend: str) -> bool:
             raise RuntimeError("the Triton fingerprint needs the triton package and a CUDA tensor "
                                "(or TRITON_INTERPRET=1 for a CPU tensor)")
         return True
-    if backend == "auto":
-        return tensor.is_cuda and fingerprint_triton.ready(tensor.device)
-    raise ValueError(f"backend must be 'auto', 'torch' or 'triton', not {backend!r}")
+    return tensor.is_cuda and fingerprint_triton.ready(tensor.device)  # "auto"
 
 
 def _tensor_sums(tensor: torch.Tensor, chunk_elements: int | None, use_triton: bool) -> torch.Tensor:

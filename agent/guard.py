@@ -27,6 +27,7 @@ from .commhook import GradientRecorder, ReduceHook, record_then_reduce
 from .config import Config
 from .determinism import check_replayable, deterministic
 from .errors import SDCDetected
+from .exchange import gather_digests, serialize
 from .fingerprint import Fingerprint, fingerprint
 from .nonfinite import gather_norms, judge_nonfinite, nonfinite_local_ranks
 from .replay import PassResult, Payload, replaying, snapshot_buffers
@@ -34,7 +35,7 @@ from .rng import forward_seed, seeded
 from .stats import CheckStats
 from .topology import Topology, gather_topology
 from .verdict import Verdict
-from .weights import compare_weights, fingerprint_weights
+from .weights import WeightCheck, fingerprint_weights, judge_weight_digests
 
 log = logging.getLogger("sdcguard")
 
@@ -121,14 +122,10 @@ class Guard:
             loss = self._forward_backward(step, batches, record=audit or self.scaler is not None)
         payload = Payload(step, self.topology.rank, batches, self._seen_buffers)
         self.stats.last_step = step
-        overflow = self._check_nonfinite(step, payload)
+        blob = serialize(payload) if audit else None
+        overflow, sizes = self._check_nonfinite(step, payload, blob)
         if audit and not overflow:
-            self.check_weights(step)  # first, so a weight fault is not taken for a compute fault
-            started = time.perf_counter()
-            with deterministic(True):
-                verdict = self.replayer.audit(self._own_pass(), payload, self._scale)
-            self.stats.timed("replay", started)
-            self._raise_if(step, verdict)
+            self._audit(step, payload, blob, sizes)
         self._apply_update()
         if self.is_weight_check_step(step):
             self.check_weights(step)
@@ -203,20 +200,42 @@ class Guard:
     def _own_pass(self) -> PassResult:
         return PassResult(list(self._own_losses), self.recorder.fingerprints())
 
-    def _check_nonfinite(self, step: int, payload: Payload) -> bool:
-        """Checks 1a and 1b from one all-gather of two scalars per rank.
+    def _check_nonfinite(self, step: int, payload: Payload, blob: torch.Tensor | None) -> tuple[bool, list[int]]:
+        """Checks 1a and 1b from one all-gather of two scalars per rank — three on audit steps,
+        where each rank's payload size rides along (the audit then needs no round of its own).
 
-        Returns True when the step holds an honest GradScaler overflow (confirmed by replaying
-        the overflowing batches on other nodes): the scaler then skips the step as usual."""
+        Returns whether the step holds an honest GradScaler overflow (confirmed by replaying the
+        overflowing batches on other nodes: the scaler then skips the step as usual), and the
+        payload sizes by rank on audit steps."""
         started = time.perf_counter()
-        norms = gather_norms(self.recorder.norms(self.device), self.group)
+        mine = self.recorder.norms(self.device)
+        if blob is not None:
+            mine = torch.cat([mine, mine.new_tensor([blob.numel()])])  # exact in float64
+        norms = gather_norms(mine, self.group)
         self.stats.timed("nonfinite", started)
+        sizes = [int(row[2]) for row in norms] if blob is not None else []
         bad = nonfinite_local_ranks(norms)
         if bad and self.scaler is not None:
             self._raise_if(step, self.replayer.confirm_nonfinite(bad, payload, self._scale))
-            return True
+            return True, sizes
         self._raise_if(step, judge_nonfinite(norms))
-        return False
+        return False, sizes
+
+    def _audit(self, step: int, payload: Payload, blob: torch.Tensor, sizes: list[int]) -> None:
+        """Check 3 and check 2 with one digest exchange: each rank sends its weights digest, its
+        own pass and its replay together, and the weights are judged first, so a weight fault is
+        never taken for a compute fault."""
+        started = time.perf_counter()
+        weights = fingerprint_weights(self.named_parameters)  # before the replay, as the SPEC says
+        with deterministic(True):
+            own = self._own_pass()
+            replayed = self.replayer.replay_neighbour(blob, sizes[self.topology.replay_target(self.topology.rank)],
+                                                      self._scale)
+            digests = gather_digests([weights.digest, own.digest(), replayed.digest()], self.device, self.group)
+            self._raise_if(step, self._judge_weights(step, weights, [d[0] for d in digests]))
+            verdict = self.replayer.judge(own, replayed, [d[1:] for d in digests], payload, self._scale)
+        self.stats.timed("replay", started)
+        self._raise_if(step, verdict)
 
     @property
     def _scale(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -233,8 +252,13 @@ class Guard:
         """Check 3; on success remember the step and digest the weights were verified at."""
         started = time.perf_counter()
         mine = fingerprint_weights(self.named_parameters)
-        verdict, digests = compare_weights(mine, self.topology.rank, self.device, self.group)
+        digests = [d for [d] in gather_digests([mine.digest], self.device, self.group)]
+        verdict = self._judge_weights(step, mine, digests)
         self.stats.timed("weights", started)
+        return verdict
+
+    def _judge_weights(self, step: int, mine: WeightCheck, digests: list[bytes]) -> Verdict | None:
+        verdict = judge_weight_digests(mine, digests, self.topology.rank, self.group)
         if verdict is None:
             self.last_weights_verified_step = step
             self.last_weights_digest = digests[0].hex()

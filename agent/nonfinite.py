@@ -15,16 +15,17 @@ from .exchange import gather_tensor
 from .verdict import Verdict
 
 
-def gather_norms(norms: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[tuple[float, float]]:
-    """All ranks' ``[local, reduced]`` squared norms, indexed by rank."""
-    return [(local, reduced) for local, reduced in gather_tensor(norms, group, "norms").tolist()]
+def gather_norms(norms: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[list[float]]:
+    """All ranks' ``[local, reduced, ...]`` rows, indexed by rank (a caller may append values
+    that every rank must learn at this point, such as the audit's payload sizes)."""
+    return gather_tensor(norms, group, "norms").tolist()
 
 
-def nonfinite_local_ranks(norms: list[tuple[float, float]]) -> list[int]:
-    return [r for r, (local, _) in enumerate(norms) if not math.isfinite(local)]
+def nonfinite_local_ranks(norms: list[list[float]]) -> list[int]:
+    return [r for r, row in enumerate(norms) if not math.isfinite(row[0])]
 
 
-def judge_nonfinite(norms: list[tuple[float, float]]) -> Verdict | None:
+def judge_nonfinite(norms: list[list[float]]) -> Verdict | None:
     """Check 1a first (it can name ranks), then 1b (a fault inside the all-reduce names none)."""
     local_bad = nonfinite_local_ranks(norms)
     if local_bad:
@@ -33,7 +34,7 @@ def judge_nonfinite(norms: list[tuple[float, float]]) -> Verdict | None:
             suspects=local_bad,
             evidence={"local_grad_sq_norms": {r: norms[r][0] for r in local_bad}},
         )
-    reduced_bad = [r for r, (_, reduced) in enumerate(norms) if not math.isfinite(reduced)]
+    reduced_bad = [r for r, row in enumerate(norms) if not math.isfinite(row[1])]
     if reduced_bad:
         return Verdict(
             CHECK_NONFINITE_REDUCED,

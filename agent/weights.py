@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .alarm import CHECK_WEIGHTS
-from .exchange import gather_digests, gather_objects
+from .exchange import gather_objects
 from .fingerprint import Fingerprint, digest, fingerprint_many
 from .verdict import Verdict, parameter_summary
 
@@ -37,23 +37,18 @@ def fingerprint_weights(named_parameters: Sequence[tuple[str, torch.Tensor]]) ->
     return WeightCheck(names, fingerprint_many(p for _, p in named_parameters))
 
 
-def compare_weights(
-    mine: WeightCheck, rank: int, device: torch.device, group: dist.ProcessGroup | None = None
-) -> tuple[Verdict | None, list[bytes]]:
-    """Gather every rank's digest; on disagreement name the odd replicas, fetching per-parameter
-    fingerprints only from them and from one rank of the majority.
-
-    Returns the verdict (None when all agree) and the digests indexed by rank.
-    """
-    digests = [d for [d] in gather_digests([mine.digest], device, group)]
+def judge_weight_digests(mine: WeightCheck, digests: list[bytes], rank: int,
+                         group: dist.ProcessGroup | None = None) -> Verdict | None:
+    """None when every rank's digest agrees; otherwise name the odd replicas, fetching
+    per-parameter fingerprints only from them and from one rank of the majority."""
     if len(set(digests)) == 1:
-        return None, digests
+        return None
     majority = strict_majority(digests)
     fingerprints: list[list[Fingerprint] | None] = [None] * len(digests)
     if majority is not None:
         needed = {r for r, d in enumerate(digests) if d != majority} | {digests.index(majority)}
         fingerprints = gather_objects(mine.fingerprints if rank in needed else None, group)
-    return judge_weights(digests, fingerprints, mine.names), digests
+    return judge_weights(digests, fingerprints, mine.names)
 
 
 def strict_majority(digests: list[bytes]) -> bytes | None:
