@@ -60,6 +60,9 @@ class GradientRecorder:
 
     def norms(self, device: torch.device) -> torch.Tensor:
         """``[local, reduced]`` squared gradient norms of this step, float64, on ``device``."""
+        if self.local_sq and len(self.local_sq) == len(self.reduced_sq):  # one entry per bucket
+            both = torch.stack([*self.local_sq.values(), *self.reduced_sq.values()])
+            return both.view(2, -1).sum(dim=1).to(device)
         return torch.stack([_total(self.local_sq, device), _total(self.reduced_sq, device)])
 
     def record_fingerprints(self, bucket: dist.GradBucket) -> None:

@@ -176,7 +176,6 @@ class Guard:
         With ``record``, keep what a replay compares with: each micro-batch's loss bits and the
         buffers its forward saw (the gradients' fingerprints come from the comm hook)."""
         self._recording, self._own_losses, self._seen_buffers = record, [], []
-        total = torch.zeros((), device=self.device)
         for i, micro in enumerate(batches):
             self._micro = i
             last = i == len(batches) - 1
@@ -184,13 +183,13 @@ class Guard:
                 seed = forward_seed(self.config.seed, step, self.topology.rank, i)
                 with seeded(seed, self.device):
                     loss = self.loss_fn(self.model, micro)
-                scaled = loss / len(batches)
+                scaled = loss / len(batches) if len(batches) > 1 else loss  # x / 1 == x, bit for bit
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             if record:
                 self._own_losses.append(fingerprint(loss.detach()))
-            total = total + loss.detach().to(self.device)
+            total = loss.detach() if i == 0 else total + loss.detach()
         self._recording = False
-        return total / len(batches)
+        return total / len(batches) if len(batches) > 1 else total
 
     def _remember_buffers(self, module: torch.nn.Module, args: Any) -> None:
         """Forward pre-hook: the buffers this micro-batch's forward sees (after DDP's broadcast)."""
