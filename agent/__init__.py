@@ -12,13 +12,13 @@ from .config import Config
 
 __version__ = "0.1.0"
 __all__ = [
-    "Guard", "Config", "SDCDetected", "ConfigurationError", "fingerprint", "forward_seed", "replaying",
+    "Guard", "Config", "SDCDetected", "ConfigurationError", "fingerprint", "fingerprint_many", "forward_seed", "replaying",
     "load_checkpoint", "CheckpointError", "SCHEMA", "AlarmError", "__version__",
 ]
 
 _LAZY = {
     "Guard": "guard", "SDCDetected": "errors", "ConfigurationError": "errors",
-    "fingerprint": "fingerprint", "forward_seed": "rng", "replaying": "replay",
+    "fingerprint": "fingerprint", "fingerprint_many": "fingerprint", "forward_seed": "rng", "replaying": "replay",
     "load_checkpoint": "checkpoint", "CheckpointError": "checkpoint",
 }
 

