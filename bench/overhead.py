@@ -2,12 +2,14 @@
 
     .venv/bin/python bench/overhead.py [--rounds 5] [--window 100]
 
-Launches 3 gloo ranks (one thread each) training bench/gpt.py's TinyGPT. Four configurations,
-each on its own DDP replica: plain DDP, sdcguard with checks 1 and 3 only (weight check every
-100), audits every 100, audits every 10. A round trains every configuration for the same window
+Launches 3 gloo ranks (one thread each) training bench/gpt.py's TinyGPT. Five configurations,
+each on its own DDP replica: plain DDP; plain DDP plus one 16-byte all-reduce between backward and
+update (no check: the price of the one synchronisation that lets ranks agree before the update,
+which checks 1a/1b need); sdcguard with checks 1 and 3 only (weight check every 100); audits
+every 100; audits every 10. A round trains every configuration for the same window
 of steps (whole audit periods, so audit steps are counted, not hidden by a median), interleaved
 slice by slice (10 steps of each in turn), so that a burst of noise from a neighbour on this
-shared machine lands on all four alike. A configuration's figure is the median over rounds of
+shared machine lands on all of them alike. A configuration's figure is the median over rounds of
 its time divided by plain DDP's time in the same round; the spread over rounds (min-max) is
 printed beside it.
 
@@ -27,6 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SLICE = 10  # steps of one configuration before the next takes its turn
 AUDIT_EVERY = {"audit every 100": 100, "audit every 10": 10}
+SYNC_ONLY = "plain + one 16 B sync"
 
 
 def worker(out: str, rounds: int, window: int) -> None:
@@ -49,17 +52,20 @@ def worker(out: str, rounds: int, window: int) -> None:
         module = TinyGPT()
         return module, DistributedDataParallel(module), None
 
-    def plain_step(ddp, opt, step):
+    def plain_step(ddp, opt, step, sync=False):
         opt.zero_grad(set_to_none=True)
         with seeded(forward_seed(0, step, rank, 0), torch.device("cpu")):
             loss = lm_loss(ddp, lm_batch(step, rank))
         loss.backward()
+        if sync:  # what any check that makes ranks agree before the update costs at least
+            dist.all_reduce(torch.zeros(2, dtype=torch.float64))
         opt.step()
 
     configs = {}
-    module, ddp, _ = replica()
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
-    configs["plain DDP"] = lambda step, d=ddp, o=opt: plain_step(d, o, step)
+    for name, sync in (("plain DDP", False), (SYNC_ONLY, True)):
+        module, ddp, _ = replica()
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        configs[name] = lambda step, d=ddp, o=opt, s=sync: plain_step(d, o, step, s)
     for name, audit, weights in (("checks 1+3 (no audit)", 0, 100), ("audit every 100", 100, 100),
                                  ("audit every 10", 10, 100)):
         module, ddp, _ = replica()

@@ -1,4 +1,9 @@
 """The fingerprint against the SPEC §3 definition: hand-computed vectors, every dtype, odd shapes."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -190,3 +195,17 @@ def test_integer_path_switches_to_int64_where_int32_could_overflow():
     t = torch.full((n,), -2 ** 15, dtype=torch.int16)
     s0, s1 = fingerprint_torch.chunk_sums(t)
     assert (int(s0) % M, int(s1) % M) == (-2 ** 15 * n % M, -2 ** 15 * (n * (n + 1) // 2) % M)
+
+
+def test_fingerprint_bench_checks_and_runs():
+    # The bench verifies every size bit for bit against the CPU torch path before timing it.
+    bench = Path(__file__).resolve().parents[1] / "bench" / "fingerprint.py"
+    run = subprocess.run([sys.executable, str(bench), "--sizes", "1", "--reps", "1"], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, PYTHONSAFEPATH="1"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "MISMATCH" not in run.stdout and run.stdout.count("\n") >= 6
+
+
+def test_gpu_check_script_parses():
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0

@@ -43,3 +43,4 @@ def test_self_test_fails_closed_with_a_warning(caplog):
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="backend"):
         fingerprint(torch.zeros(4), backend="cuda")
+
