@@ -173,6 +173,15 @@ def test_gemm_path_matches_the_reference(dtype, n):
     assert (int(s0) % M, int(s1) % M) == _reference(t)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32], ids=str)
+def test_gemm_path_agrees_with_the_integer_path_over_many_blocks(dtype):
+    # Several float32 (512 x 512) and float64 (32 x 2048) blocks, random full-range bytes.
+    raw = torch.randint(0, 256, ((3 * 512 * 512 + 7) * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8)
+    piece = raw.view(dtype)
+    assert [int(x) for x in fingerprint_torch.chunk_sums_by_matmul(piece)] == \
+        [int(x) for x in fingerprint_torch.chunk_sums(piece)]
+
+
 def test_many_tensors_pack_and_match_one_by_one():
     gen = torch.Generator().manual_seed(3)
     tensors = [torch.randn(n, generator=gen) for n in (1, 128, _COLUMNS, _COLUMNS + 1, 7 * _COLUMNS - 3)] * 25  # > 1 pack
