@@ -11,8 +11,8 @@ kernel splits the work: a CPU, a GPU and a pure-Python reference all give the sa
 
 The flat tensor is processed in chunks so temporary memory stays bounded however large it is; how
 a chunk is reduced depends on the device: ``fingerprint_triton`` (a fused kernel, on GPUs where it
-passed its self-test), ``fingerprint_torch`` (integer reductions on GPUs without it; exact float64
-GEMMs on CPU, small tensors packed together). Neither GPU path has been timed on a GPU yet (see
+passed its self-test), ``fingerprint_torch`` (integer reductions on GPUs without it; exact float
+BLAS blocks on CPU, small tensors packed together). Neither GPU path has been timed on a GPU yet (see
 bench/RESULTS.md). ``fingerprint_sums`` keeps results on the device so that many tensors cost one
 device-to-host transfer.
 """
