@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from .fingerprint import Fingerprint, fingerprint_sums, to_fingerprints
 
-__all__ = ["GradientRecorder", "record_then_reduce", "allreduce_mean"]
+__all__ = ["GradientRecorder", "record_then_reduce", "allreduce_mean", "squared_norm"]
 
 ReduceHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
@@ -82,21 +82,21 @@ def record_then_reduce(
 ) -> torch.futures.Future[torch.Tensor]:
     """Record the local gradient's norm (and fingerprints on audit steps), then reduce."""
     index = bucket.index()
-    state.local_sq[index] = _squared_norm(bucket.buffer())
+    state.local_sq[index] = squared_norm(bucket.buffer())
     if state.audit:
         state.record_fingerprints(bucket)
 
     if state.inner_hook is allreduce_mean:  # the common case: one callback, not two
         def record_mean(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             reduced = fut.value()[0]
-            state.reduced_sq[index] = _squared_norm(reduced)
+            state.reduced_sq[index] = squared_norm(reduced)
             return reduced
 
         return _launch_mean(state.inner_state, bucket.buffer()).then(record_mean)
 
     def record_reduced(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         reduced = fut.value()
-        state.reduced_sq[index] = _squared_norm(reduced)
+        state.reduced_sq[index] = squared_norm(reduced)
         return reduced
 
     return state.inner_hook(state.inner_state, bucket).then(record_reduced)
@@ -119,7 +119,7 @@ def _launch_mean(process_group: dist.ProcessGroup | None, buffer: torch.Tensor) 
     return group.allreduce([buffer]).get_future()
 
 
-def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:
+def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
     """Squared L2 norm as a float64 scalar, without a device sync.
 
     Accumulated in the gradient's own precision, at least float32 (a dot product for 4- and

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from . import spool
+from . import fingerprint_triton, spool
 from .alarm import CHECK_WEIGHTS, make_alarm
 from .audit import Replayer
 from .commhook import GradientRecorder, ReduceHook, record_then_reduce
@@ -82,6 +82,8 @@ class Guard:
         )
         if self.config.audit_every:
             check_replayable(self.topology, next(model.parameters()).device)
+        if next(model.parameters()).is_cuda:  # compile and self-test the GPU kernel now, not mid-step
+            fingerprint_triton.ready(next(model.parameters()).device)
         if any(True for _ in model.module.buffers()):
             model.module.register_forward_pre_hook(self._remember_buffers)
         # What this step's own pass recorded for a replay to compare with.

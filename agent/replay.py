@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from .commhook import squared_norm
 from .fingerprint import Fingerprint, fingerprint, fingerprint_many
 from .rng import forward_seed, seeded
 
@@ -115,7 +116,7 @@ def _result(params: list[tuple[int, torch.nn.Parameter]], grads: dict[int, torch
     ordered = [grads.get(index) for index, _ in params]
     ordered = [torch.zeros_like(p) if g is None else g for g, (_, p) in zip(ordered, params)]
     fps = dict(zip((index for index, _ in params), fingerprint_many(ordered)))
-    # Only its finiteness matters (GradScaler confirmation): one sum, one device sync.
-    norms = [torch.linalg.vector_norm(g, 2, dtype=torch.float64).square() for g in ordered]
-    sq = float(torch.stack(norms).sum()) if norms else 0.0
+    # Only its finiteness matters (GradScaler confirmation), accumulated exactly as the comm hook
+    # accumulates the original's, so a huge but finite gradient reads the same on both sides.
+    sq = float(torch.stack([squared_norm(g) for g in ordered]).sum()) if ordered else 0.0
     return PassResult(losses, fps, sq)
