@@ -13,15 +13,16 @@ mkdir -p "$out"
 pkg=$(mktemp -d)
 ln -s "$PWD/agent" "$pkg/sdcguard"
 export PYTHONPATH=$pkg PYTHONSAFEPATH=1
+py=${PYTHON:-$(command -v python3 || command -v python)}
 status=0
 {
     nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv
-    python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+    "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } 2>&1 | tee "$out/machine.txt"
-SDCGUARD_TEST_DEVICE=cuda python tests/fingerprint_triton_worker.py 2>&1 | tee "$out/kernel-cases.txt"
+SDCGUARD_TEST_DEVICE=cuda "$py" tests/fingerprint_triton_worker.py 2>&1 | tee "$out/kernel-cases.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 for backend in triton torch; do
-    python bench/fingerprint.py --device cuda --backend "$backend" --sizes 16,256,1024 --reps 10 2>&1 \
+    "$py" bench/fingerprint.py --device cuda --backend "$backend" --sizes 16,256,1024 --reps 10 2>&1 \
         | tee "$out/fingerprint-$backend.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 done

@@ -1,11 +1,13 @@
 """One rank of the library test, launched by tests/test_library.py under torchrun (3 ranks, gloo).
 
-Three scenarios share one launch, each writing what it saw to OUT/<scenario>-rank<r>.json:
+Four scenarios share one launch, each writing what it saw to OUT/<scenario>-rank<r>.json:
   clean      plain DDP vs the same run under sdcguard (audit and weight check on every step,
              dropout, BatchNorm, 2 micro-batches), then a checkpoint saved and reloaded;
   scaler     GradScaler: an overflow that reproduces (no alarm, step skipped), then an injected
              grad-inf (alarm naming the rank), then a refused checkpoint;
-  threads    unequal thread counts with audits on: a clear ConfigurationError at start-up.
+  threads    unequal thread counts with audits on: a clear ConfigurationError at start-up;
+  huge       finite float64 gradients whose squared norms overflow when check 1 sums them over
+             ranks: the per-rank values must be gathered and clear them (no alarm, step applied).
 """
 import contextlib
 import json
@@ -154,11 +156,40 @@ def threads(rank, out):
         torch.set_num_threads(1)
 
 
+class Scaled(nn.Module):
+    """loss = sum(w * c): the gradient is exactly c, whatever w."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4, dtype=torch.float64))
+
+    def forward(self, c):
+        return (self.w * c).sum()
+
+
+def huge(rank, out):
+    from sdcguard.exchange import TRAFFIC
+
+    model = Scaled()
+    ddp = DistributedDataParallel(model)
+    guard = sdcguard.Guard(ddp, torch.optim.SGD(model.parameters(), lr=1e-160), lambda m, c: m(c),
+                           config=Config(audit_every=0, weight_check_every=0))
+    # Each rank's squared norm is 4 * (6e153)**2 = 1.44e308 (finite); three of them sum to Inf.
+    c = torch.full((4,), 6e153, dtype=torch.float64)
+    TRAFFIC.clear()
+    try:
+        guard.train_step(0, c)
+        alarm = None
+    except sdcguard.SDCDetected as exc:
+        alarm = exc.alarm
+    return {"alarm": alarm, "applied": bool((model.w != 0).all()), "norm_bytes": TRAFFIC["norms"]}
+
+
 def main(out):
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    for name, scenario in (("clean", clean), ("scaler", scaler), ("threads", threads)):
+    for name, scenario in (("clean", clean), ("scaler", scaler), ("threads", threads), ("huge", huge)):
         result = scenario(rank, out)
         with open(os.path.join(out, f"{name}-rank{rank}.json"), "w") as fh:
             json.dump(result, fh, default=str)

@@ -111,3 +111,13 @@ def test_checkpoint_without_manifest_is_refused(run, tmp_path):
     manifest_path(path).unlink()
     with pytest.raises(CheckpointError, match="has no manifest"):
         load_checkpoint(path, library_worker.Net())
+
+
+def test_finite_norms_whose_sum_overflows_raise_no_alarm(run):
+    # Check 1 sums the squared norms over ranks; an Inf sum of finite values must lead to the
+    # per-rank values (16 bytes for the sum + 16 for the gathered row) and no alarm.
+    _, result = run
+    for r in result("huge"):
+        assert r["alarm"] is None
+        assert r["applied"]
+        assert r["norm_bytes"] == 32
