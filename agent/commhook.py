@@ -122,14 +122,15 @@ def _launch_mean(process_group: dist.ProcessGroup | None, buffer: torch.Tensor) 
 def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
     """Squared L2 norm as a float64 scalar, without a device sync.
 
-    Accumulated in the gradient's own precision, at least float32 (a dot product for 4- and
-    8-byte types: half the cost of ``vector_norm``, several times less than float64 on CPU). The
+    Accumulated in the gradient's own precision, at least float32 (a dot product for float32 and
+    float64: half the cost of ``vector_norm``, several times less than float64 on CPU). The
     one cost: a finite gradient whose norm exceeds float32's range (~1.8e19) reads as Inf — with a
     GradScaler such a step is confirmed by a replay like any overflow."""
-    if tensor.element_size() >= 4:
+    if tensor.dtype in (torch.float32, torch.float64):
         flat = tensor.reshape(-1)
         return torch.dot(flat, flat).double()
-    return torch.linalg.vector_norm(tensor, 2, dtype=torch.float32).double().square()
+    wide = torch.float32 if tensor.element_size() < 4 else None  # complex keeps its own (|z|)
+    return torch.linalg.vector_norm(tensor, 2, dtype=wide).double().square()
 
 
 def _total(parts: dict[int, torch.Tensor], device: torch.device) -> torch.Tensor:

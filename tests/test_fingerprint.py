@@ -157,19 +157,15 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.float16, torch.bfloat16, torch.float32, torch.int64], ids=str)
-@pytest.mark.parametrize("n", [5, _COLUMNS, 40 * _COLUMNS + 3])
-def test_integer_path_matches_the_reference(dtype, n):
-    t = torch.randint(0, 256, (n * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8).view(dtype)
-    s0, s1 = fingerprint_torch.chunk_sums(_int_view(t))
-    assert (int(s0) % M, int(s1) % M) == _reference(t)
+PATHS = [(fingerprint_torch.chunk_sums, dt) for dt in (torch.uint8, torch.float16, torch.float32, torch.int64)]
+PATHS += [(fingerprint_torch.chunk_sums_by_matmul, dt) for dt in (torch.uint8, torch.bfloat16, torch.float32)]
 
 
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("path,dtype", PATHS, ids=lambda x: getattr(x, "__name__", str(x)))
 @pytest.mark.parametrize("n", [5, _COLUMNS, 40 * _COLUMNS + 3])
-def test_gemm_path_matches_the_reference(dtype, n):
+def test_each_torch_path_matches_the_reference(path, dtype, n):
     t = torch.randint(0, 256, (n * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8).view(dtype)
-    s0, s1 = fingerprint_torch.chunk_sums_by_matmul(_int_view(t))
+    s0, s1 = path(_int_view(t))
     assert (int(s0) % M, int(s1) % M) == _reference(t)
 
 
