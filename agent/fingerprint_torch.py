@@ -1,4 +1,4 @@
-"""The fingerprint's torch implementations: integer reductions, and exact float64 GEMMs on CPU.
+"""The fingerprint's torch implementations: integer reductions, and exact float BLAS on CPU.
 
 All work on contiguous 1-D integer views (see ``fingerprint.py`` for the definition) and return
 ``(sum b, sum b*(j+1))`` as int64 scalars on the input's device, j the position in the input.
