@@ -78,7 +78,20 @@ def fingerprint_sums(tensors: Sequence[torch.Tensor], *, chunk_elements: int | N
         return torch.zeros((0, 2), dtype=torch.int64)
     if chunk_elements is None and backend != "triton" and any(map(fingerprint_torch.packable, tensors)):
         return _cpu_sums(tensors)
-    return torch.stack([_tensor_sums(t, chunk_elements, _use_triton(t, backend)) for t in tensors])
+    if _use_triton(tensors[0], backend):
+        return _triton_sums(tensors, chunk_elements)
+    return torch.stack([_tensor_sums(t, chunk_elements) for t in tensors])
+
+
+def _triton_sums(tensors: Sequence[torch.Tensor], chunk_elements: int | None) -> torch.Tensor:
+    """Every chunk of every tensor through the fused kernel, summed per tensor in one go."""
+    pieces = []
+    for owner, tensor in enumerate(tensors):
+        start = 0
+        for piece in _flat_chunks(_integer_view(tensor.detach()), _chunk_limit(tensor, chunk_elements)):
+            pieces.append((owner, start, piece))
+            start += piece.numel()
+    return fingerprint_triton.sums(pieces, len(tensors), tensors[0].device)
 
 
 def _cpu_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -87,7 +100,7 @@ def _cpu_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     out = torch.empty((len(tensors), 2), dtype=torch.int64)
     out[small] = fingerprint_torch.packed_sums([_integer_view(tensors[i].detach()).reshape(-1) for i in small])
     for i in sorted(set(range(len(tensors))) - set(small)):
-        out[i] = _tensor_sums(tensors[i], None, use_triton=False)
+        out[i] = _tensor_sums(tensors[i], None)
     return out
 
 
@@ -107,20 +120,18 @@ def _use_triton(tensor: torch.Tensor, backend: str) -> bool:
     return tensor.is_cuda and fingerprint_triton.ready(tensor.device)  # "auto"
 
 
-def _tensor_sums(tensor: torch.Tensor, chunk_elements: int | None, use_triton: bool) -> torch.Tensor:
-    """``[s0, s1]`` of one tensor as int64 (wrapping) on its device."""
+def _chunk_limit(tensor: torch.Tensor, chunk_elements: int | None) -> int:
     if chunk_elements is None:
-        chunk_elements = CPU_CHUNK_ELEMENTS if tensor.device.type == "cpu" else GPU_CHUNK_ELEMENTS
+        return CPU_CHUNK_ELEMENTS if tensor.device.type == "cpu" else GPU_CHUNK_ELEMENTS
     if chunk_elements < _COLUMNS or chunk_elements % _COLUMNS or chunk_elements > 1 << 30:
         raise ValueError(f"chunk_elements must be a multiple of {_COLUMNS} up to 2**30")
+    return chunk_elements
+
+
+def _tensor_sums(tensor: torch.Tensor, chunk_elements: int | None) -> torch.Tensor:
+    """``[s0, s1]`` of one tensor as int64 (wrapping) on its device, by the torch paths."""
+    chunk_elements = _chunk_limit(tensor, chunk_elements)
     as_ints = _integer_view(tensor.detach())
-    if use_triton:
-        sums = torch.zeros(2, dtype=torch.int64, device=tensor.device)
-        offset = 0
-        for piece in _flat_chunks(as_ints, chunk_elements):
-            fingerprint_triton.chunk_sums(piece, offset, sums)
-            offset += piece.numel()
-        return sums
     by_matmul = tensor.device.type == "cpu" and tensor.element_size() <= 4
     chunk_sums = fingerprint_torch.chunk_sums_by_matmul if by_matmul else fingerprint_torch.chunk_sums
     s0 = torch.zeros((), dtype=torch.int64, device=tensor.device)

@@ -8,7 +8,8 @@ two accumulators over the tiles ``t = 0 .. TILES-1`` it has read so far:
 so ``sum_t t * b[t, l] = TILES * col_l - run_l`` with two additions per element and no multiply.
 At the end the program turns its lanes into ``(s0, s1)`` for its span (int64, wrapping modulo
 2**64 exactly like the definition) and writes them to its own slot; ``torch.sum`` of the slots is
-the chunk's fingerprint. For 1- and 2-byte elements the accumulators are int32: with at most 256
+the chunk's fingerprint (``sums`` adds the slots of many chunks and tensors at once). For 1- and
+2-byte elements the accumulators are int32: with at most 256
 tiles, ``|run| <= 256 * 257 / 2 * 2**15 < 2**31``, so they never wrap.
 
 Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check it bit
@@ -20,10 +21,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from typing import Sequence
 
 import torch
 
-__all__ = ["available", "ready", "chunk_sums"]
+__all__ = ["available", "ready", "sums"]
 
 log = logging.getLogger(__name__)
 
@@ -39,19 +41,36 @@ def available(tensor: torch.Tensor) -> bool:
     return on_device and _triton() is not None
 
 
-def chunk_sums(piece: torch.Tensor, start: int, out: torch.Tensor) -> None:
-    """Add ``(sum b, sum b*(start + j + 1))`` of the contiguous 1-D integer view ``piece`` into
-    ``out`` (an int64 tensor of two elements on the same device), without a device sync."""
-    n = piece.numel()
-    if n == 0:
-        return
+def sums(pieces: Sequence[tuple[int, int, torch.Tensor]], count: int, device: torch.device) -> torch.Tensor:
+    """``(count, 2)`` int64 sums on ``device`` from ``(owner, start, piece)`` triples: each piece a
+    contiguous 1-D integer view holding elements ``start ..`` of tensor ``owner``.
+
+    One kernel launch per piece, every program writing its own slot of one shared buffer, then
+    one ``index_add_`` for all tensors: a model's parameters cost about one launch each, without
+    a device sync."""
     triton, tl, kernel = _triton()
-    block = _TILE_BYTES // piece.element_size()
-    programs = triton.cdiv(n, _TILES * block)
-    partial = torch.empty((programs, 2), dtype=torch.int64, device=piece.device)
-    kernel[(programs,)](piece, partial, n, start, TILES=_TILES, BLOCK=block,
-                        ACC=tl.int32 if piece.element_size() <= 2 else tl.int64)
-    out += partial.sum(dim=0)
+    launches = []
+    for owner, start, piece in pieces:
+        if piece.numel():
+            block = _TILE_BYTES // piece.element_size()
+            launches.append((owner, start, piece, block, triton.cdiv(piece.numel(), _TILES * block)))
+    programs = tuple((owner, n) for owner, _, _, _, n in launches)
+    partial = torch.empty((sum(n for _, n in programs), 2), dtype=torch.int64, device=device)
+    first = 0
+    for owner, start, piece, block, n in launches:
+        kernel[(n,)](piece, partial[first:], piece.numel(), start, TILES=_TILES, BLOCK=block,
+                     ACC=tl.int32 if piece.element_size() <= 2 else tl.int64)
+        first += n
+    out = torch.zeros((count, 2), dtype=torch.int64, device=device)
+    return out.index_add_(0, _owners(programs, str(device)), partial)
+
+
+@functools.lru_cache(maxsize=64)
+def _owners(programs: tuple[tuple[int, int], ...], device: str) -> torch.Tensor:
+    """Which tensor each program's slot belongs to (the same model gives the same layout every
+    step: cached, so the index is copied to the device once)."""
+    owners = [owner for owner, n in programs for _ in range(n)]
+    return torch.tensor(owners, dtype=torch.int64).to(device)
 
 
 @functools.lru_cache(maxsize=None)

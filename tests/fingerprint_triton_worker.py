@@ -9,7 +9,9 @@ import sys
 import torch
 
 from sdcguard import fingerprint_triton
-from sdcguard.fingerprint import fingerprint, fingerprint_many, fingerprint_reference
+from sdcguard.fingerprint import (
+    fingerprint, fingerprint_many, fingerprint_reference, fingerprint_sums, to_fingerprints,
+)
 
 TILE = fingerprint_triton._TILE_BYTES
 SPAN = fingerprint_triton._TILES * TILE  # bytes one program reads
@@ -59,6 +61,13 @@ def main() -> int:
     ok = fingerprint_many([t.to(DEVICE) for t in tensors], backend="triton") == [reference(t) for t in tensors]
     failures += not ok
     print(f"{'ok' if ok else 'MISMATCH'} many", flush=True)
+    # One batch, mixed widths, an empty tensor, several chunks each: one shared partials buffer.
+    mixed = [torch.randn(3), torch.zeros(0), torch.randn(9000).bfloat16(),
+             torch.randint(0, 255, (7777,), dtype=torch.uint8), torch.randn(5000, dtype=torch.float64)]
+    sums = fingerprint_sums([t.to(DEVICE) for t in mixed], chunk_elements=2048, backend="triton")
+    ok = to_fingerprints(sums) == [reference(t) for t in mixed]
+    failures += not ok
+    print(f"{'ok' if ok else 'MISMATCH'} batch", flush=True)
     ok = fingerprint_triton.ready(DEVICE)  # the self-test passes where the kernel runs
     failures += not ok
     print(f"{'ok' if ok else 'MISMATCH'} self-test", flush=True)
