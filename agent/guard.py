@@ -232,6 +232,8 @@ class Guard:
         never taken for a compute fault."""
         started = time.perf_counter()
         weights = fingerprint_weights(self.named_parameters)  # before the replay, as the SPEC says
+        self.stats.timed("weights", started)
+        started = time.perf_counter()
         with deterministic(True):
             own = self._own_pass()
             replayed = self.replayer.replay_neighbour(blob, sizes[self.topology.replay_target(self.topology.rank)],
