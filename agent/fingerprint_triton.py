@@ -7,10 +7,10 @@ two accumulators over the tiles ``t = 0 .. TILES-1`` it has read so far:
 
 so ``sum_t t * b[t, l] = TILES * col_l - run_l`` with two additions per element and no multiply.
 At the end the program turns its lanes into ``(s0, s1)`` for its span (int64, wrapping modulo
-2**64 exactly like the definition) and writes them to its own slot; ``torch.sum`` of the slots is
-the chunk's fingerprint (``sums`` adds the slots of many chunks and tensors at once). For 1- and
-2-byte elements the accumulators are int32: with at most 256
-tiles, ``|run| <= 256 * 257 / 2 * 2**15 < 2**31``, so they never wrap.
+2**64 exactly like the definition) and writes them to its own slot; the slots of all of a
+tensor's chunks add up to its fingerprint, and ``sums`` adds them for many tensors at once with
+one ``index_add_``. For 1- and 2-byte elements the accumulators are int32: with at most 256 tiles,
+``|run| <= 256 * 257 / 2 * 2**15 < 2**31``, so they never wrap.
 
 Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check it bit
 for bit against the definition on machines without a GPU). ``ready(device)`` self-tests the
