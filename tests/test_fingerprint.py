@@ -132,6 +132,24 @@ def test_non_contiguous_input(make):
     assert fingerprint(t, chunk_elements=_COLUMNS) == expected  # slab-by-slab path
 
 
+@pytest.mark.parametrize("dtype,value", [
+    (torch.int32, -2 ** 31), (torch.int32, 2 ** 31 - 1), (torch.int16, -2 ** 15), (torch.int16, 2 ** 15 - 1),
+    (torch.uint8, 255), (torch.int64, -2 ** 63),
+], ids=str)
+def test_extreme_values_stay_exact(dtype, value):
+    # The CPU BLAS paths are exact only while every partial sum stays within the float mantissa
+    # (2**53 for float64 blocks, 2**24 for the float32 blocks of narrow types): the largest
+    # magnitudes over several chunks and blocks (and a ragged tail) must match the closed form,
+    # and so must small tensors that go through the packed path.
+    def closed_form(n):
+        return (value * n % M, value * (n * (n + 1) // 2) % M)
+
+    n = 2 * CPU_CHUNK_ELEMENTS + 3 * _COLUMNS + 7
+    assert fingerprint(torch.full((n,), value, dtype=dtype)) == closed_form(n)
+    sizes = [1, _COLUMNS - 1, 32 * _COLUMNS]
+    assert fingerprint_many([torch.full((k,), value, dtype=dtype) for k in sizes]) == [closed_form(k) for k in sizes]
+
+
 def test_chunk_size_is_validated():
     with pytest.raises(ValueError, match="multiple of 2048"):
         fingerprint(torch.zeros(4), chunk_elements=1000)
