@@ -1,8 +1,10 @@
 """Check 2, the ring replay audit, and the GradScaler overflow confirmation that reuses it.
 
 Every rank ``r`` replays the local batch of ``t = r + R (mod W)`` (same local index, next node)
-and compares with what ``t`` computed. Each rank contributes two 16-byte digests — its own pass,
-its replay — so the exchange does not grow with the model. On a mismatch:
+and compares with what ``t`` computed. The digest of ``t``'s own pass travels to ``r`` with the
+batch, so ``r`` compares locally and the ring agrees in one 16-byte all-reduce (see
+``exchange.agree``); only then, on a mismatch, are every rank's two digests — own pass, replay —
+gathered, and details only from the ranks involved. Nothing grows with the model. On a mismatch:
   - a rank in two mismatching pairs (its own batch replayed differently, and its replay of
     another's batch different) is the suspect: a persistent fault;
   - a single mismatching pair is settled by a tie-break replay on a third node: the side that
@@ -20,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .alarm import CHECK_NONFINITE_LOCAL, CHECK_REPLAY
-from .exchange import broadcast_digest, gather_objects, gather_tensor, ring_exchange, ring_transfer
+from .exchange import Incoming, broadcast_digest, gather_objects, gather_tensor, ring_exchange, ring_post
 from .replay import PassResult, Payload, replay
 from .topology import Topology
 from .verdict import Verdict, parameter_summary
@@ -39,20 +41,19 @@ class Replayer:
     device: torch.device
     seed: int
 
-    def run(self, payload: Payload, scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PassResult:
+    def run(self, payload: Payload, scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+            with_norm: bool = False) -> PassResult:
         return replay(self.module, self.loss_fn, self.params, payload, seed=self.seed,
-                      device=self.device, scale=scale)
+                      device=self.device, scale=scale, with_norm=with_norm)
 
     # -- check 2 -------------------------------------------------------------------------------
 
-    def replay_neighbour(self, blob: torch.Tensor, incoming: int,
-                         scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PassResult:
-        """Send this rank's serialized payload to its replayer, receive (``incoming`` bytes) and
-        replay the batch of the rank it audits."""
+    def post_batch(self, blob: torch.Tensor, own_digest: bytes) -> Incoming:
+        """Send this rank's serialized batch, and the digest of its own pass, to its replayer, and
+        start receiving the batch of the rank it audits (left in flight: the caller works on)."""
         topo, me = self.topology, self.topology.rank
-        theirs = ring_transfer(blob, send_to=topo.replayer_of(me), recv_from=topo.replay_target(me),
-                               incoming=incoming, device=self.device, group=self.group)
-        return self.run(theirs, scale)
+        return ring_post(blob, own_digest, send_to=topo.replayer_of(me), recv_from=topo.replay_target(me),
+                         device=self.device, group=self.group)
 
     def judge(self, own: PassResult, mine: PassResult, digests: list[list[bytes]], payload: Payload,
               scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Verdict | None:
@@ -128,7 +129,7 @@ class Replayer:
                                send_to=topo.replayer_of(me) if me in bad else None,
                                recv_from=target if target in bad else None,
                                device=self.device, group=self.group)
-        norm = self.run(theirs, scale).grad_sq_norm if theirs is not None else 0.0
+        norm = self.run(theirs, scale, with_norm=True).grad_sq_norm if theirs is not None else 0.0
         norms = torch.tensor([norm], dtype=torch.float64, device=self.device)
         parts = gather_tensor(norms, self.group, "norms")
         replayed = {b: float(parts[topo.replayer_of(b)]) for b in bad}

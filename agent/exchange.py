@@ -1,19 +1,23 @@
 """Small collectives the checks share: fixed-size digests for everyone, objects for a few.
 
-A check first exchanges digests of fixed size (16 bytes per rank), whatever the model size; only
-when digests disagree are details fetched, and only from the ranks involved.
+A check first asks whether every rank agrees (16 bytes per rank, whatever the model size); only
+when they do not are the digests gathered and details fetched, and only from the ranks involved.
 """
 from __future__ import annotations
 
 import io
+import math
 import pickle
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 DIGEST_BYTES = 16
+# Digest bits compared by `agree`: a float64 holds integers below 2**53 exactly.
+_AGREE_BITS = 52
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated); older releases have only that.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -21,6 +25,22 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 TRAFFIC: Counter[str] = Counter()
 """Bytes this rank has contributed to each kind of exchange (its own payload, not the copies a
 collective algorithm makes): what `bench/exchange_bytes.py` reports and the stats export."""
+
+
+def agree(digest: bytes, device: torch.device, group: dist.ProcessGroup | None, *, veto: bool = False) -> bool:
+    """Whether every rank holds the same ``digest`` and none vetoes: one 16-byte all-reduce.
+
+    Each rank sends ``[h, -h]``, h the digest's first 52 bits (exact in float64), or ``[h, +inf]``
+    to veto; the maxima are ``[max h, -min h]``, so the answer is ``max h == min h``. Two floats,
+    because on gloo an all-reduce of 3 or more elements, like an all-gather, has a ~4 ms tail
+    (p90, 3 ranks; `bench/sync_latency.py`) where 1 or 2 elements take ~0.3 ms. Two different
+    digests pass for equal with probability 2**-52; the caller then gathers the whole digests."""
+    TRAFFIC["digests"] += 16
+    h = float(int.from_bytes(digest[:8], "big") >> (64 - _AGREE_BITS))  # its first 52 bits
+    both = torch.tensor([h, math.inf if veto else -h], dtype=torch.float64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    highest, minus_lowest = both.tolist()
+    return highest == -minus_lowest
 
 
 def gather_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None, label: str) -> torch.Tensor:
@@ -51,28 +71,47 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     return out
 
 
+@dataclass(slots=True)
+class Incoming:
+    """A peer's batch on its way (see :func:`ring_post`): its note now, its bytes on demand."""
+
+    note: bytes
+    """The 16-byte note the sender attached (the audit: the digest of its own pass)."""
+    buffer: torch.Tensor | None
+    works: list[Any]
+    device: torch.device
+
+    def receive(self) -> Any:
+        """Wait for the bytes (and for this rank's own send) and unpickle them."""
+        _wait(self.works)
+        self.works = []
+        return _from_bytes(self.buffer, self.device) if self.buffer is not None else None
+
+
+def ring_post(blob: torch.Tensor | None, note: bytes, send_to: int | None, recv_from: int | None,
+              device: torch.device, group: dist.ProcessGroup | None) -> Incoming:
+    """Send ``blob`` and a 16-byte ``note`` to one rank and start receiving another's.
+
+    The sizes and notes cross first (one small round trip: the receiver must size its buffer),
+    then the bytes are left in flight, so the caller can work while they travel. Either side may
+    be None (this rank only sends, or only receives). Ranks are group ranks."""
+    sending = blob is not None and send_to is not None
+    receiving = recv_from is not None
+    head_out = torch.tensor([blob.numel() if sending else 0, *_digest_to_words(note)], dtype=torch.int64, device=device)
+    head_in = torch.zeros(3, dtype=torch.int64, device=device)
+    TRAFFIC["batches"] += 8 + blob.numel() if sending else 0
+    TRAFFIC["digests"] += DIGEST_BYTES if sending else 0
+    _wait(_post(head_out if sending else None, send_to, head_in if receiving else None, recv_from, group))
+    buffer = torch.empty(int(head_in[0]), dtype=torch.uint8, device=device) if receiving else None
+    works = _post(blob.to(device) if sending else None, send_to, buffer, recv_from, group)
+    return Incoming(_words_to_bytes(head_in[1:]), buffer, works, device)
+
+
 def ring_exchange(payload: Any, send_to: int | None, recv_from: int | None, device: torch.device,
                   group: dist.ProcessGroup | None) -> Any:
-    """Send ``payload`` to one rank and receive one from another, without deadlock.
-
-    Sizes go first, then bytes; every transfer is posted non-blocking before any wait. Either
-    side may be None (this rank only sends, or only receives). Ranks are group ranks.
-    """
+    """Send ``payload`` to one rank and receive one from another, without deadlock."""
     blob = serialize(payload) if send_to is not None else None
-    size_out = torch.tensor([blob.numel() if blob is not None else 0], dtype=torch.int64, device=device)
-    size_in = torch.zeros(1, dtype=torch.int64, device=device)
-    _wait(_post(size_out, send_to, size_in, recv_from, group))
-    return ring_transfer(blob, send_to, recv_from, int(size_in.item()), device, group)
-
-
-def ring_transfer(blob: torch.Tensor | None, send_to: int | None, recv_from: int | None, incoming: int,
-                  device: torch.device, group: dist.ProcessGroup | None) -> Any:
-    """:func:`ring_exchange` once the ``incoming`` size is known (the audit step learns every
-    rank's payload size from check 1's all-gather: one synchronisation fewer)."""
-    TRAFFIC["batches"] += blob.numel() if blob is not None and send_to is not None else 0
-    buffer = torch.empty(incoming, dtype=torch.uint8, device=device) if recv_from is not None else None
-    _wait(_post(blob.to(device) if blob is not None else None, send_to, buffer, recv_from, group))
-    return _from_bytes(buffer, device) if buffer is not None else None
+    return ring_post(blob, bytes(DIGEST_BYTES), send_to, recv_from, device, group).receive()
 
 
 def broadcast_digest(digest: bytes | None, src: int, device: torch.device, group: dist.ProcessGroup | None) -> bytes:
@@ -94,12 +133,14 @@ def _words_to_bytes(words: torch.Tensor) -> bytes:
 
 def _post(send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None, src: int | None,
           group: dist.ProcessGroup | None) -> list[Any]:
-    works = []
+    """Start one receive and one send as a batch (NCCL would deadlock on a pair of ranks that
+    both post a receive before their send, one by one)."""
+    ops = []
     if recv is not None and src is not None:
-        works.append(dist.irecv(recv, src=_global(group, src), group=group))
+        ops.append(dist.P2POp(dist.irecv, recv, _global(group, src), group))
     if send is not None and dst is not None:
-        works.append(dist.isend(send, dst=_global(group, dst), group=group))
-    return works
+        ops.append(dist.P2POp(dist.isend, send, _global(group, dst), group))
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 def _wait(works: list[Any]) -> None:
@@ -112,7 +153,7 @@ def _global(group: dist.ProcessGroup | None, rank: int) -> int:
 
 
 def serialize(payload: Any) -> torch.Tensor:
-    """A payload as the uint8 tensor :func:`ring_transfer` sends."""
+    """A payload as the uint8 tensor :func:`ring_post` sends."""
     buf = io.BytesIO()
     torch.save(payload, buf)
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)

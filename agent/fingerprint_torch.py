@@ -16,9 +16,10 @@ so no position tensor as long as the chunk is needed.
   and partial sum an integer below 2**53, whatever order BLAS adds in. A block is converted in
   cache and read once: 2-3x faster than two integer reductions. 1- and 2-byte elements use
   float32 blocks of 512 x 512 instead (exact below 2**24) and two matrix-vector products.
-- ``packed_sums`` (CPU): many small tensors — biases, norms — at the cost of one copy each. Each
-  starts a new row of one shared zero-padded buffer, one GEMM covers them all and the rows are
-  summed per tensor. A model's parameters then cost a few dozen operations, not ten per tensor.
+- ``packed_sums`` (CPU): many small tensors — biases, norms, the parameters of a small model —
+  concatenated in one ``cat`` (each padded with zeros to whole rows of 128), converted once, one
+  GEMM, and the rows summed per tensor: a handful of operations for the whole list, not a few per
+  tensor (1.75 MB of TinyGPT's 28 parameters: 1.0 ms -> ~0.5 ms, a clone takes 0.19 ms).
 """
 from __future__ import annotations
 
@@ -36,10 +37,11 @@ INT32_SAFE_ELEMENTS = 1 << 24
 _BLOCK_ROWS = 32
 # 1- and 2-byte elements on CPU: float32 blocks of this many rows and columns (1 MiB).
 _NARROW_COLUMNS = 512
-# Tensors of at most this many rows are packed, into float64 buffers of at most _PACK_ROWS rows
-# (4 MiB).
-_PACK_MAX_ROWS = 32
-_PACK_ROWS = 256
+# Tensors of at most this many elements are packed, into float64 buffers of at most
+# _PACK_ELEMENTS (4 MiB), in rows of _PACK_COLUMNS (narrow rows: little padding for a bias).
+_PACK_MAX_ELEMENTS = 1 << 16
+_PACK_ELEMENTS = 1 << 19
+_PACK_COLUMNS = 128
 
 
 def chunk_sums(piece: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +112,7 @@ def _narrow_sums_by_matvec(piece: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 def packable(tensor: torch.Tensor) -> bool:
     """Small CPU tensors of up to 4-byte elements go through :func:`packed_sums`."""
     return (tensor.device.type == "cpu" and tensor.element_size() <= 4
-            and 0 < tensor.numel() <= _PACK_MAX_ROWS * COLUMNS)
+            and 0 < tensor.numel() <= _PACK_MAX_ELEMENTS)
 
 
 def packed_sums(flats: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -119,9 +121,9 @@ def packed_sums(flats: Sequence[torch.Tensor]) -> torch.Tensor:
     first = 0
     while first < len(flats):
         # Fill one buffer with as many whole tensors as fit.
-        last, rows = first, 0
-        while last < len(flats) and rows + _rows(flats[last]) <= _PACK_ROWS:
-            rows += _rows(flats[last])
+        last, size = first, 0
+        while last < len(flats) and size + _padded(flats[last]) <= _PACK_ELEMENTS:
+            size += _padded(flats[last])
             last += 1
         out[first:last] = _one_pack(flats[first:last])
         first = last
@@ -129,19 +131,23 @@ def packed_sums(flats: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _one_pack(flats: Sequence[torch.Tensor]) -> torch.Tensor:
-    counts = tuple(_rows(f) for f in flats)
-    packed = torch.empty((sum(counts), COLUMNS), dtype=torch.float64)
-    row = 0
+    """Each tensor starts a new row: ``s1`` of a tensor is then ``C * sum_r r * rowsum_r +
+    sum_r w_r`` over its own rows, with ``w_r = sum_c (c + 1) b[r, c]`` from the GEMM. Exact:
+    ``|b| <= 2**31`` and ``sum(c + 1) < 2**13`` keep every product and partial sum below 2**53.
+    """
+    counts = tuple(-(-f.numel() // _PACK_COLUMNS) for f in flats)
+    pieces = []
     for flat, count in zip(flats, counts):
-        area = packed[row:row + count].view(-1)
-        area[: flat.numel()].copy_(flat)
-        area[flat.numel():].zero_()  # the padding adds nothing to either sum
-        row += count
-    per_row = torch.mm(packed, _row_weights()).to(torch.int64)
+        pieces.append(flat)
+        if count * _PACK_COLUMNS > flat.numel():  # zeros add nothing to either sum
+            pieces.append(_zeros(flat.dtype)[: count * _PACK_COLUMNS - flat.numel()])
+    packed = torch.empty((sum(counts), _PACK_COLUMNS), dtype=torch.float64)
+    torch.cat(pieces, out=packed.view(-1))  # converts as it copies: the data is read once
+    per_row = torch.mm(packed, _row_weights(_PACK_COLUMNS)).to(torch.int64)
     owner, local_row = _layout(counts)
     s0 = torch.zeros(len(flats), dtype=torch.int64).index_add_(0, owner, per_row[:, 0])
     s1 = torch.zeros(len(flats), dtype=torch.int64).index_add_(
-        0, owner, local_row * per_row[:, 0] * COLUMNS + per_row[:, 1])
+        0, owner, local_row * per_row[:, 0] * _PACK_COLUMNS + per_row[:, 1])
     return torch.stack([s0, s1], dim=1)
 
 
@@ -155,15 +161,21 @@ def _layout(counts: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     return owner, torch.arange(int(sizes.sum())) - starts[owner]
 
 
-def _rows(flat: torch.Tensor) -> int:
-    return -(-flat.numel() // COLUMNS)
+def _padded(flat: torch.Tensor) -> int:
+    return -(-flat.numel() // _PACK_COLUMNS) * _PACK_COLUMNS
 
 
-@functools.lru_cache(maxsize=1)
-def _row_weights() -> torch.Tensor:
-    """The ``C x 2`` float64 matrix ``[1, c + 1]`` (CPU)."""
-    ones = torch.ones(COLUMNS, dtype=torch.float64)
-    return torch.stack([ones, torch.arange(1, COLUMNS + 1, dtype=torch.float64)], dim=1)
+@functools.lru_cache(maxsize=8)
+def _zeros(dtype: torch.dtype) -> torch.Tensor:
+    """Padding for a packed row, sliced to length (never written to)."""
+    return torch.zeros(_PACK_COLUMNS, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=2)
+def _row_weights(columns: int = COLUMNS) -> torch.Tensor:
+    """The ``columns x 2`` float64 matrix ``[1, c + 1]`` (CPU)."""
+    ones = torch.ones(columns, dtype=torch.float64)
+    return torch.stack([ones, torch.arange(1, columns + 1, dtype=torch.float64)], dim=1)
 
 
 def _tail_sums(piece: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:

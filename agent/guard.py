@@ -27,7 +27,7 @@ from .commhook import GradientRecorder, ReduceHook, record_then_reduce
 from .config import Config
 from .determinism import check_replayable, deterministic
 from .errors import SDCDetected
-from .exchange import gather_digests, serialize
+from .exchange import agree, gather_digests, serialize
 from .fingerprint import Fingerprint, fingerprint
 from .nonfinite import all_finite, gather_norms, judge_nonfinite, nonfinite_local_ranks
 from .replay import PassResult, Payload, replaying, snapshot_buffers
@@ -124,10 +124,9 @@ class Guard:
             loss = self._forward_backward(step, batches, record=audit or self.scaler is not None)
         payload = Payload(step, self.topology.rank, batches, self._seen_buffers)
         self.stats.last_step = step
-        blob = serialize(payload) if audit else None
-        overflow, sizes = self._check_nonfinite(step, payload, blob)
+        overflow = self._check_nonfinite(step, payload)
         if audit and not overflow:
-            self._audit(step, payload, blob, sizes)
+            self._audit(step, payload)
         self._apply_update()
         if self.is_weight_check_step(step):
             self.check_weights(step)
@@ -201,46 +200,50 @@ class Guard:
     def _own_pass(self) -> PassResult:
         return PassResult(list(self._own_losses), self.recorder.fingerprints())
 
-    def _check_nonfinite(self, step: int, payload: Payload, blob: torch.Tensor | None) -> tuple[bool, list[int]]:
+    def _check_nonfinite(self, step: int, payload: Payload) -> bool:
         """Checks 1a and 1b: one all-reduce of two scalars; the per-rank values are gathered only
-        when it finds something non-finite, and on audit steps, where each rank's payload size
-        rides along (the audit then needs no round of its own).
+        when it finds something non-finite.
 
         Returns whether the step holds an honest GradScaler overflow (confirmed by replaying the
-        overflowing batches on other nodes: the scaler then skips the step as usual), and the
-        payload sizes by rank on audit steps."""
+        overflowing batches on other nodes: the scaler then skips the step as usual)."""
         started = time.perf_counter()
         mine = self.recorder.norms(self.device)
-        if blob is None and all_finite(mine, self.group):  # the common case: 16 bytes, done
+        if all_finite(mine, self.group):  # the common case: 16 bytes, done
             self.stats.timed("nonfinite", started)
-            return False, []
-        if blob is not None:
-            mine = torch.cat([mine, mine.new_tensor([blob.numel()])])  # exact in float64
+            return False
         norms = gather_norms(mine, self.group)
         self.stats.timed("nonfinite", started)
-        sizes = [int(row[2]) for row in norms] if blob is not None else []
         bad = nonfinite_local_ranks(norms)
         if bad and self.scaler is not None:
             self._raise_if(step, self.replayer.confirm_nonfinite(bad, payload, self._scale))
-            return True, sizes
+            return True
         self._raise_if(step, judge_nonfinite(norms))
-        return False, sizes
+        return False
 
-    def _audit(self, step: int, payload: Payload, blob: torch.Tensor, sizes: list[int]) -> None:
-        """Check 3 and check 2 with one digest exchange: each rank sends its weights digest, its
-        own pass and its replay together, and the weights are judged first, so a weight fault is
-        never taken for a compute fault."""
+    def _audit(self, step: int, payload: Payload) -> None:
+        """Check 3 and check 2 with one agreement: this rank's batch leaves for its replayer with
+        the digest of its own pass, the weights are fingerprinted while it travels (before the
+        replay, as the SPEC says), the neighbour's batch is replayed and compared locally, and one
+        16-byte all-reduce says whether every rank's weights agree and every replay matched.
+        Only when not are all digests gathered, the weights judged first, so that a weight fault
+        is never taken for a compute fault."""
         started = time.perf_counter()
-        weights = fingerprint_weights(self.named_parameters)  # before the replay, as the SPEC says
-        self.stats.timed("weights", started)
-        started = time.perf_counter()
+        own = self._own_pass()
+        incoming = self.replayer.post_batch(serialize(payload), own.digest())
+        weights_started = time.perf_counter()
+        weights = fingerprint_weights(self.named_parameters)
+        self.stats.timed("weights", weights_started)
+        started += time.perf_counter() - weights_started  # the replay's time leaves the weights' out
         with deterministic(True):
-            own = self._own_pass()
-            replayed = self.replayer.replay_neighbour(blob, sizes[self.topology.replay_target(self.topology.rank)],
-                                                      self._scale)
-            digests = gather_digests([weights.digest, own.digest(), replayed.digest()], self.device, self.group)
-            self._raise_if(step, self._judge_weights(step, weights, [d[0] for d in digests]))
-            verdict = self.replayer.judge(own, replayed, [d[1:] for d in digests], payload, self._scale)
+            replayed = self.replayer.run(incoming.receive(), self._scale)
+            clear = agree(weights.digest, self.device, self.group, veto=replayed.digest() != incoming.note)
+            if clear:
+                self._weights_verified(step, weights)
+                verdict = None
+            else:
+                digests = gather_digests([weights.digest, own.digest(), replayed.digest()], self.device, self.group)
+                self._raise_if(step, self._judge_weights(step, weights, [d[0] for d in digests]))
+                verdict = self.replayer.judge(own, replayed, [d[1:] for d in digests], payload, self._scale)
         self.stats.timed("replay", started)
         self._raise_if(step, verdict)
 
@@ -259,17 +262,25 @@ class Guard:
         """Check 3; on success remember the step and digest the weights were verified at."""
         started = time.perf_counter()
         mine = fingerprint_weights(self.named_parameters)
-        digests = [d for [d] in gather_digests([mine.digest], self.device, self.group)]
-        verdict = self._judge_weights(step, mine, digests)
+        if agree(mine.digest, self.device, self.group):  # the common case: 16 bytes, done
+            self._weights_verified(step, mine)
+            verdict = None
+        else:
+            digests = [d for [d] in gather_digests([mine.digest], self.device, self.group)]
+            verdict = self._judge_weights(step, mine, digests)
         self.stats.timed("weights", started)
         return verdict
 
     def _judge_weights(self, step: int, mine: WeightCheck, digests: list[bytes]) -> Verdict | None:
         verdict = judge_weight_digests(mine, digests, self.topology.rank, self.group)
         if verdict is None:
-            self.last_weights_verified_step = step
-            self.last_weights_digest = digests[0].hex()
+            self._weights_verified(step, mine)
         return verdict
+
+    def _weights_verified(self, step: int, mine: WeightCheck) -> None:
+        """Every replica's weights matched this rank's ``mine`` at ``step``."""
+        self.last_weights_verified_step = step
+        self.last_weights_digest = mine.digest.hex()
 
     # -- alarms --------------------------------------------------------------------------------
 

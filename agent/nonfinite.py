@@ -5,7 +5,6 @@ gradient norms — whatever the model size and the world size: the sums are fini
 every rank's norms are (or, rarely, when finite norms overflowed the sum). Only then are the
 per-rank values all-gathered, to name the ranks and to tell an overflowed sum from a real NaN.
 Every rank sees the same sums and the same rows, so every rank reaches the same verdict.
-(On audit steps the rows are gathered anyway: they carry the payload sizes too.)
 """
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ def all_finite(norms: torch.Tensor, group: dist.ProcessGroup | None = None) -> b
 
 
 def gather_norms(norms: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[list[float]]:
-    """All ranks' ``[local, reduced, ...]`` rows, indexed by rank (a caller may append values
-    that every rank must learn at this point, such as the audit's payload sizes)."""
+    """All ranks' ``[local, reduced]`` rows, indexed by rank."""
     return gather_tensor(norms, group, "norms").tolist()
 
 

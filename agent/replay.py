@@ -52,7 +52,8 @@ class PassResult:
 
     loss_fps: list[Fingerprint]
     grad_fps: dict[int, Fingerprint]
-    grad_sq_norm: float = 0.0
+    grad_sq_norm: float | None = None
+    """Only where asked for (GradScaler confirmation: is the replayed gradient finite?)."""
 
     def digest(self) -> bytes:
         h = hashlib.blake2b(digest_size=16)
@@ -73,6 +74,7 @@ def replay(
     seed: int,
     device: torch.device,
     scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    with_norm: bool = False,
 ) -> PassResult:
     """Recompute ``payload``'s local step on ``module``; ``params`` are (index, parameter)."""
     saved = snapshot_buffers(module)
@@ -96,7 +98,7 @@ def replay(
                 losses.append(fingerprint(loss.detach()))
     finally:
         load_buffers(module, saved)
-    return _result(params, grads, losses)
+    return _result(params, grads, losses, with_norm)
 
 
 def snapshot_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -111,11 +113,13 @@ def load_buffers(module: torch.nn.Module, values: dict[str, torch.Tensor]) -> No
 
 
 def _result(params: list[tuple[int, torch.nn.Parameter]], grads: dict[int, torch.Tensor],
-            losses: list[Fingerprint]) -> PassResult:
+            losses: list[Fingerprint], with_norm: bool) -> PassResult:
     # A parameter the batch did not reach has a zero gradient in DDP's bucket too.
     ordered = [grads.get(index) for index, _ in params]
     ordered = [torch.zeros_like(p) if g is None else g for g, (_, p) in zip(ordered, params)]
     fps = dict(zip((index for index, _ in params), fingerprint_many(ordered)))
+    if not with_norm:
+        return PassResult(losses, fps)
     # Only its finiteness matters (GradScaler confirmation), accumulated exactly as the comm hook
     # accumulates the original's, so a huge but finite gradient reads the same on both sides.
     sq = float(torch.stack([squared_norm(g) for g in ordered]).sum()) if ordered else 0.0

@@ -1,13 +1,15 @@
 """One rank of the library test, launched by tests/test_library.py under torchrun (3 ranks, gloo).
 
-Four scenarios share one launch, each writing what it saw to OUT/<scenario>-rank<r>.json:
+Five scenarios share one launch, each writing what it saw to OUT/<scenario>-rank<r>.json:
   clean      plain DDP vs the same run under sdcguard (audit and weight check on every step,
              dropout, BatchNorm, 2 micro-batches), then a checkpoint saved and reloaded;
   scaler     GradScaler: an overflow that reproduces (no alarm, step skipped), then an injected
              grad-inf (alarm naming the rank), then a refused checkpoint;
   threads    unequal thread counts with audits on: a clear ConfigurationError at start-up;
   huge       finite float64 gradients whose squared norms overflow when check 1 sums them over
-             ranks: the per-rank values must be gathered and clear them (no alarm, step applied).
+             ranks: the per-rank values must be gathered and clear them (no alarm, step applied);
+  exchange   the agreement all-reduce (equal digests, one differing, one veto, digests that differ
+             only past the bits it compares) and the ring transfer with its note.
 """
 import contextlib
 import json
@@ -185,11 +187,30 @@ def huge(rank, out):
     return {"alarm": alarm, "applied": bool((model.w != 0).all()), "norm_bytes": TRAFFIC["norms"]}
 
 
+def exchange(rank, out):
+    from sdcguard.exchange import agree, ring_post, serialize
+
+    cpu = torch.device("cpu")
+    same = bytes(range(16))
+    odd = bytes([255 - rank % 2 * 2]) + same[1:]  # rank 1 differs in the first byte
+    low = same[:7] + bytes([rank]) + same[8:]     # differs past the 52 bits compared
+    incoming = ring_post(serialize({"from": rank}), bytes([rank]) * 16, send_to=(rank + 1) % 3,
+                         recv_from=(rank - 1) % 3, device=cpu, group=None)
+    return {
+        "equal": agree(same, cpu, None),
+        "one_differs": agree(same if rank != 1 else odd, cpu, None),
+        "one_vetoes": agree(same, cpu, None, veto=rank == 2),
+        "beyond_52_bits": agree(low, cpu, None),
+        "received": incoming.receive(), "note": incoming.note.hex(),
+    }
+
+
 def main(out):
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    for name, scenario in (("clean", clean), ("scaler", scaler), ("threads", threads), ("huge", huge)):
+    for name, scenario in (("clean", clean), ("scaler", scaler), ("threads", threads), ("huge", huge),
+                           ("exchange", exchange)):
         result = scenario(rank, out)
         with open(os.path.join(out, f"{name}-rank{rank}.json"), "w") as fh:
             json.dump(result, fh, default=str)

@@ -198,7 +198,7 @@ def test_gemm_path_agrees_with_the_integer_path_over_many_blocks(dtype):
 
 def test_many_tensors_pack_and_match_one_by_one():
     gen = torch.Generator().manual_seed(3)
-    tensors = [torch.randn(n, generator=gen) for n in (1, 128, _COLUMNS, _COLUMNS + 1, 7 * _COLUMNS - 3)] * 25  # > 1 pack
+    tensors = [torch.randn(n, generator=gen) for n in (1, 128, _COLUMNS, _COLUMNS + 1, 7 * _COLUMNS - 3)] * 40  # > 1 pack
     tensors += [
         torch.randn(32 * _COLUMNS, generator=gen),                       # largest packed
         torch.randn(32 * _COLUMNS + 1, generator=gen),                   # one by one

@@ -121,3 +121,14 @@ def test_finite_norms_whose_sum_overflows_raise_no_alarm(run):
         assert r["alarm"] is None
         assert r["applied"]
         assert r["norm_bytes"] == 32
+
+
+def test_agreement_and_ring_transfer(run):
+    # One 16-byte MAX all-reduce answers "same digest everywhere, no veto?"; only the first 52
+    # bits are compared (a float64 holds them exactly). The ring transfer's note arrives with
+    # the batch, from the rank before.
+    _, result = run
+    for rank, r in enumerate(result("exchange")):
+        assert (r["equal"], r["one_differs"], r["one_vetoes"], r["beyond_52_bits"]) == (True, False, False, True)
+        assert r["received"] == {"from": (rank - 1) % 3}
+        assert r["note"] == bytes([(rank - 1) % 3]).hex() * 16
