@@ -124,9 +124,10 @@ class Guard:
             loss = self._forward_backward(step, batches, record=audit or self.scaler is not None)
         payload = Payload(step, self.topology.rank, batches, self._seen_buffers)
         self.stats.last_step = step
-        overflow = self._check_nonfinite(step, payload)
-        if audit and not overflow:
-            self._audit(step, payload)
+        if audit:
+            self._audit(step, payload)  # checks 1, 2 and 3, agreed on in one all-reduce
+        else:
+            self._check_nonfinite(step, payload)
         self._apply_update()
         if self.is_weight_check_step(step):
             self.check_weights(step)
@@ -202,17 +203,18 @@ class Guard:
 
     def _check_nonfinite(self, step: int, payload: Payload) -> bool:
         """Checks 1a and 1b: one all-reduce of two scalars; the per-rank values are gathered only
-        when it finds something non-finite.
-
-        Returns whether the step holds an honest GradScaler overflow (confirmed by replaying the
-        overflowing batches on other nodes: the scaler then skips the step as usual)."""
+        when it finds something non-finite. Returns whether the step holds an honest GradScaler
+        overflow (see :meth:`_judge_nonfinite`)."""
         started = time.perf_counter()
-        mine = self.recorder.norms(self.device)
-        if all_finite(mine, self.group):  # the common case: 16 bytes, done
-            self.stats.timed("nonfinite", started)
-            return False
-        norms = gather_norms(mine, self.group)
+        norms = self.recorder.norms(self.device)
+        finite = all_finite(norms, self.group)  # the common case: 16 bytes, done
         self.stats.timed("nonfinite", started)
+        return False if finite else self._judge_nonfinite(step, payload, gather_norms(norms, self.group))
+
+    def _judge_nonfinite(self, step: int, payload: Payload, norms: list[list[float]]) -> bool:
+        """Raise for check 1a or 1b from every rank's ``[local, reduced]`` norms; or return True
+        when the non-finite local gradients are an honest GradScaler overflow (confirmed by
+        replaying the overflowing batches on other nodes: the scaler then skips the step)."""
         bad = nonfinite_local_ranks(norms)
         if bad and self.scaler is not None:
             self._raise_if(step, self.replayer.confirm_nonfinite(bad, payload, self._scale))
@@ -221,12 +223,17 @@ class Guard:
         return False
 
     def _audit(self, step: int, payload: Payload) -> None:
-        """Check 3 and check 2 with one agreement: this rank's batch leaves for its replayer with
-        the digest of its own pass, the weights are fingerprinted while it travels (before the
-        replay, as the SPEC says), the neighbour's batch is replayed and compared locally, and one
-        16-byte all-reduce says whether every rank's weights agree and every replay matched.
-        Only when not are all digests gathered, the weights judged first, so that a weight fault
-        is never taken for a compute fault."""
+        """Checks 1, 2 and 3 with one synchronisation after the backward pass: this rank's batch
+        leaves for its replayer with the digest of its own pass, the weights are fingerprinted
+        while it travels (before the replay, as the SPEC says), the neighbour's batch is replayed
+        and compared locally, and one 16-byte all-reduce says whether every rank's gradients are
+        finite, its weights agree and its replay matched. Only when not is everything gathered
+        and judged in the SPEC's order — non-finite gradients, then weights, then replays — so
+        that neither a NaN nor a weight fault is taken for a compute fault."""
+        started = time.perf_counter()
+        norms = self.recorder.norms(self.device)
+        finite = bool(torch.isfinite(norms).all())
+        self.stats.timed("nonfinite", started)
         started = time.perf_counter()
         own = self._own_pass()
         incoming = self.replayer.post_batch(serialize(payload), own.digest())
@@ -236,10 +243,12 @@ class Guard:
         started += time.perf_counter() - weights_started  # the replay's time leaves the weights' out
         with deterministic(True):
             replayed = self.replayer.run(incoming.receive(), self._scale)
-            clear = agree(weights.digest, self.device, self.group, veto=replayed.digest() != incoming.note)
-            if clear:
+            matched = replayed.digest() == incoming.note
+            if agree(weights.digest, self.device, self.group, veto=not (finite and matched)):
                 self._weights_verified(step, weights)
                 verdict = None
+            elif self._judge_nonfinite(step, payload, gather_norms(norms, self.group)):
+                verdict = None  # an honest overflow: the scaler skips this step
             else:
                 digests = gather_digests([weights.digest, own.digest(), replayed.digest()], self.device, self.group)
                 self._raise_if(step, self._judge_weights(step, weights, [d[0] for d in digests]))
