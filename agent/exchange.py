@@ -35,7 +35,7 @@ def agree(digest: bytes, device: torch.device, group: dist.ProcessGroup | None, 
     because on gloo an all-reduce of 3 or more elements, like an all-gather, has a ~4 ms tail
     (p90, 3 ranks; `bench/sync_latency.py`) where 1 or 2 elements take ~0.3 ms. Two different
     digests pass for equal with probability 2**-52; the caller then gathers the whole digests."""
-    TRAFFIC["digests"] += 16
+    TRAFFIC["agreements"] += 16
     h = float(int.from_bytes(digest[:8], "big") >> (64 - _AGREE_BITS))  # its first 52 bits
     both = torch.tensor([h, math.inf if veto else -h], dtype=torch.float64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)

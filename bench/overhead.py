@@ -27,12 +27,11 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SLICE = 10  # steps of one configuration before the next takes its turn
 AUDIT_EVERY = {"audit every 100": 100, "audit every 10": 10}
 SYNC_ONLY = "plain + one 16 B sync"
 
 
-def worker(out: str, rounds: int, window: int) -> None:
+def worker(out: str, rounds: int, window: int, slice_steps: int) -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -88,11 +87,11 @@ def worker(out: str, rounds: int, window: int) -> None:
     step0 = 10
     for _ in range(rounds):
         spent = dict.fromkeys(configs, 0.0)
-        for first in range(step0, step0 + window, SLICE):
+        for first in range(step0, step0 + window, slice_steps):
             for name, fn in configs.items():
                 dist.barrier()
                 started = time.perf_counter()
-                for step in range(first, min(first + SLICE, step0 + window)):
+                for step in range(first, min(first + slice_steps, step0 + window)):
                     fn(step)
                 spent[name] += time.perf_counter() - started
         for name in configs:
@@ -112,22 +111,24 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--window", type=int, default=100)
     parser.add_argument("--ranks", type=int, default=3)
+    parser.add_argument("--slice", type=int, default=10, help="steps of one configuration before the next takes its turn")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.rounds, args.window)
+        worker(args.worker, args.rounds, args.window, args.slice)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "result.json")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
-                        __file__, "--rounds", str(args.rounds), "--window", str(args.window), "--worker", str(out)],
+                        __file__, "--rounds", str(args.rounds), "--window", str(args.window), "--slice", str(args.slice),
+                        "--worker", str(out)],
                        check=True, env=env)
         result = json.loads(out.read_text())
     means, replays = result["means"], result["replay"]
     plain = means["plain DDP"]
     print(f"{args.ranks} gloo ranks, 1 thread each, TinyGPT; {args.rounds} rounds x {args.window} steps per "
-          f"configuration, interleaved {SLICE} steps at a time")
+          f"configuration, interleaved {args.slice} steps at a time")
     print(f"plain DDP step {statistics.median(plain) * 1e3:.1f} ms; replay (forward+backward) "
           f"{statistics.median(replays) * 1e3:.1f} ms")
     print(f"{'configuration':24s} {'ms/step':>8s} {'x plain':>8s} {'(min-max)':>13s} {'floor':>7s} {'x plain - floor':>16s}")
