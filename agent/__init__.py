@@ -12,12 +12,12 @@ from .config import Config
 
 __version__ = "0.1.0"
 __all__ = [
-    "Guard", "Config", "SDCDetected", "ConfigurationError", "fingerprint", "fingerprint_many", "forward_seed", "replaying",
+    "Guard", "Config", "SDCDetected", "ReplayError", "ConfigurationError", "fingerprint", "fingerprint_many", "forward_seed", "replaying",
     "load_checkpoint", "CheckpointError", "SCHEMA", "AlarmError", "__version__",
 ]
 
 _LAZY = {
-    "Guard": "guard", "SDCDetected": "errors", "ConfigurationError": "errors",
+    "Guard": "guard", "SDCDetected": "errors", "ReplayError": "errors", "ConfigurationError": "errors",
     "fingerprint": "fingerprint", "fingerprint_many": "fingerprint", "forward_seed": "rng", "replaying": "replay",
     "load_checkpoint": "checkpoint", "CheckpointError": "checkpoint",
 }

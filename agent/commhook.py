@@ -2,7 +2,8 @@
 
 Once the all-reduce has run, every replica holds the same average and a bad rank can no longer be
 told apart, so what checks 1a and 2 need is recorded here, per bucket, on the way in:
-  - the squared norm of the local gradient (check 1a: one scalar per rank is gathered later);
+  - the squared norm of the local gradient (check 1a: summed over ranks by one all-reduce, and
+    gathered per rank only when something is not finite);
   - on audit steps, each parameter's local-gradient fingerprint (check 2 compares them with a
     replay on another node);
 and on the way out, the squared norm of the reduced gradient (check 1b).

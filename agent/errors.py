@@ -19,6 +19,20 @@ class SDCDetected(RuntimeError):
         super().__init__(f"silent data corruption: check {self.check} at step {self.step}: {who}")
 
 
+class ReplayError(RuntimeError):
+    """A rank could not replay its neighbour's batch (check 2): e.g. the batch would not unpickle
+    or ``loss_fn`` raised during the replay. Raised on every rank — the failing rank joins the
+    audit's agreement first and vetoes it — so the job stops cleanly instead of hanging. Not in
+    itself evidence of silent data corruption: no alarm is published; the step is not applied."""
+
+    def __init__(self, step: int, failures: dict[int, str]) -> None:
+        self.step = step
+        self.failures = failures
+        """rank -> what went wrong there."""
+        where = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failures.items()))
+        super().__init__(f"sdcguard: the audit's replay failed at step {step} ({where}); the step was not applied")
+
+
 class ConfigurationError(ValueError):
     """The training set-up cannot support a check (e.g. ranks that cannot replay bit for bit)."""
 

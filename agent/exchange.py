@@ -34,7 +34,8 @@ def agree(digest: bytes, device: torch.device, group: dist.ProcessGroup | None, 
     to veto; the maxima are ``[max h, -min h]``, so the answer is ``max h == min h``. Two floats,
     because on gloo an all-reduce of 3 or more elements, like an all-gather, has a ~4 ms tail
     (p90, 3 ranks; `bench/sync_latency.py`) where 1 or 2 elements take ~0.3 ms. Two different
-    digests pass for equal with probability 2**-52; the caller then gathers the whole digests."""
+    digests pass for equal with probability 2**-52 (the difference then escapes this check);
+    the caller gathers the whole digests only when the answer is no."""
     TRAFFIC["agreements"] += 16
     h = float(int.from_bytes(digest[:8], "big") >> (64 - _AGREE_BITS))  # its first 52 bits
     both = torch.tensor([h, math.inf if veto else -h], dtype=torch.float64, device=device)
@@ -80,11 +81,13 @@ class Incoming:
     buffer: torch.Tensor | None
     works: list[Any]
     device: torch.device
+    sending: torch.Tensor | None
+    """This rank's own bytes in flight, kept alive until they are sent."""
 
     def receive(self) -> Any:
         """Wait for the bytes (and for this rank's own send) and unpickle them."""
         _wait(self.works)
-        self.works = []
+        self.works, self.sending = [], None
         return _from_bytes(self.buffer, self.device) if self.buffer is not None else None
 
 
@@ -103,8 +106,9 @@ def ring_post(blob: torch.Tensor | None, note: bytes, send_to: int | None, recv_
     TRAFFIC["digests"] += DIGEST_BYTES if sending else 0
     _wait(_post(head_out if sending else None, send_to, head_in if receiving else None, recv_from, group))
     buffer = torch.empty(int(head_in[0]), dtype=torch.uint8, device=device) if receiving else None
-    works = _post(blob.to(device) if sending else None, send_to, buffer, recv_from, group)
-    return Incoming(_words_to_bytes(head_in[1:]), buffer, works, device)
+    outgoing = blob.to(device) if sending else None
+    works = _post(outgoing, send_to, buffer, recv_from, group)
+    return Incoming(_words_to_bytes(head_in[1:]), buffer, works, device, outgoing)
 
 
 def ring_exchange(payload: Any, send_to: int | None, recv_from: int | None, device: torch.device,

@@ -133,7 +133,7 @@ def packed_sums(flats: Sequence[torch.Tensor]) -> torch.Tensor:
 def _one_pack(flats: Sequence[torch.Tensor]) -> torch.Tensor:
     """Each tensor starts a new row: ``s1`` of a tensor is then ``C * sum_r r * rowsum_r +
     sum_r w_r`` over its own rows, with ``w_r = sum_c (c + 1) b[r, c]`` from the GEMM. Exact:
-    ``|b| <= 2**31`` and ``sum(c + 1) < 2**13`` keep every product and partial sum below 2**53.
+    ``|b| <= 2**31`` and ``sum(c + 1) < 2**14`` keep every product and partial sum below 2**53.
     """
     counts = tuple(-(-f.numel() // _PACK_COLUMNS) for f in flats)
     pieces = []

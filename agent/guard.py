@@ -26,8 +26,8 @@ from .audit import Replayer
 from .commhook import GradientRecorder, ReduceHook, record_then_reduce
 from .config import Config
 from .determinism import check_replayable, deterministic
-from .errors import SDCDetected
-from .exchange import agree, gather_digests, serialize
+from .errors import ReplayError, SDCDetected
+from .exchange import DIGEST_BYTES, Incoming, agree, gather_digests, gather_objects, serialize
 from .fingerprint import Fingerprint, fingerprint
 from .nonfinite import all_finite, gather_norms, judge_nonfinite, nonfinite_local_ranks
 from .replay import PassResult, Payload, replaying, snapshot_buffers
@@ -242,19 +242,38 @@ class Guard:
         self.stats.timed("weights", weights_started)
         started += time.perf_counter() - weights_started  # the replay's time leaves the weights' out
         with deterministic(True):
-            replayed = self.replayer.run(incoming.receive(), self._scale)
-            matched = replayed.digest() == incoming.note
+            replayed, failure = self._replay_neighbour(incoming)
+            matched = replayed is not None and replayed.digest() == incoming.note
             if agree(weights.digest, self.device, self.group, veto=not (finite and matched)):
                 self._weights_verified(step, weights)
                 verdict = None
             elif self._judge_nonfinite(step, payload, gather_norms(norms, self.group)):
                 verdict = None  # an honest overflow: the scaler skips this step
             else:
-                digests = gather_digests([weights.digest, own.digest(), replayed.digest()], self.device, self.group)
+                mine = replayed.digest() if replayed is not None else bytes(DIGEST_BYTES)
+                digests = gather_digests([weights.digest, own.digest(), mine], self.device, self.group)
                 self._raise_if(step, self._judge_weights(step, weights, [d[0] for d in digests]))
+                self._raise_if_replays_failed(step, failure)
                 verdict = self.replayer.judge(own, replayed, [d[1:] for d in digests], payload, self._scale)
         self.stats.timed("replay", started)
         self._raise_if(step, verdict)
+
+    def _replay_neighbour(self, incoming: Incoming) -> tuple[PassResult | None, Exception | None]:
+        """Receive and replay the neighbour's batch. An exception is kept, not raised: this rank
+        must still join the agreement (and veto it), or every other rank would wait there."""
+        try:
+            return self.replayer.run(incoming.receive(), self._scale), None
+        except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+            log.exception("sdcguard: replaying rank %d's batch failed", self.topology.replay_target(self.topology.rank))
+            return None, exc
+
+    def _raise_if_replays_failed(self, step: int, failure: Exception | None) -> None:
+        """Every rank learns which replays failed (this runs only after a vetoed agreement) and
+        raises the same ReplayError."""
+        said = gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}", self.group)
+        failures = {rank: msg for rank, msg in enumerate(said) if msg is not None}
+        if failures:
+            raise ReplayError(step, failures) from failure
 
     @property
     def _scale(self) -> Callable[[torch.Tensor], torch.Tensor] | None:

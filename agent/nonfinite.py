@@ -1,10 +1,12 @@
 """Checks 1a and 1b: a NaN or Inf gradient, found before the optimizer applies it.
 
-Each step costs one all-reduce (sum) of two float64 scalars — ``[local, reduced]`` squared
+An ordinary step costs one all-reduce (sum) of two float64 scalars — ``[local, reduced]`` squared
 gradient norms — whatever the model size and the world size: the sums are finite exactly when
 every rank's norms are (or, rarely, when finite norms overflowed the sum). Only then are the
 per-rank values all-gathered, to name the ranks and to tell an overflowed sum from a real NaN.
-Every rank sees the same sums and the same rows, so every rank reaches the same verdict.
+(On an audit step each rank checks its own norms and vetoes the audit's one agreement instead;
+see ``Guard._audit``.) Every rank sees the same sums and the same rows, so every rank reaches the
+same verdict.
 """
 from __future__ import annotations
 

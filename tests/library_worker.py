@@ -1,6 +1,6 @@
 """One rank of the library test, launched by tests/test_library.py under torchrun (3 ranks, gloo).
 
-Five scenarios share one launch, each writing what it saw to OUT/<scenario>-rank<r>.json:
+Six scenarios share one launch, each writing what it saw to OUT/<scenario>-rank<r>.json:
   clean      plain DDP vs the same run under sdcguard (audit and weight check on every step,
              dropout, BatchNorm, 2 micro-batches), then a checkpoint saved and reloaded;
   scaler     GradScaler: an overflow that reproduces (no alarm, step skipped), then an injected
@@ -8,6 +8,8 @@ Five scenarios share one launch, each writing what it saw to OUT/<scenario>-rank
   threads    unequal thread counts with audits on: a clear ConfigurationError at start-up;
   huge       finite float64 gradients whose squared norms overflow when check 1 sums them over
              ranks: the per-rank values must be gathered and clear them (no alarm, step applied);
+  replay_fails  rank 1's loss_fn raises while it replays rank 2's batch: every rank raises the
+             same ReplayError (none hangs in the audit's agreement), and the step is not applied;
   exchange   the agreement all-reduce (equal digests, one differing, one veto, digests that differ
              only past the bits it compares) and the ring transfer with its note.
 """
@@ -187,6 +189,28 @@ def huge(rank, out):
     return {"alarm": alarm, "applied": bool((model.w != 0).all()), "norm_bytes": TRAFFIC["norms"]}
 
 
+def replay_fails(rank, out):
+    model = Scaled()
+    ddp = DistributedDataParallel(model)
+
+    def loss_fn(module, c):
+        if sdcguard.replaying() and rank == 1 and float(c[0]) == 1.0:
+            raise RuntimeError("out of memory (simulated)")
+        return module(c)
+
+    guard = sdcguard.Guard(ddp, torch.optim.SGD(model.parameters(), lr=0.5), loss_fn,
+                           config=Config(audit_every=1, weight_check_every=0))
+    seen = {}
+    for step in range(2):
+        before = model.w.detach().clone()
+        try:
+            guard.train_step(step, torch.full((4,), float(step), dtype=torch.float64))
+            seen[step] = "ok"
+        except sdcguard.ReplayError as exc:
+            seen[step] = {"failures": exc.failures, "step": exc.step, "applied": not torch.equal(model.w, before)}
+    return seen
+
+
 def exchange(rank, out):
     from sdcguard.exchange import agree, ring_post, serialize
 
@@ -210,7 +234,7 @@ def main(out):
     torch.set_num_threads(1)
     rank = dist.get_rank()
     for name, scenario in (("clean", clean), ("scaler", scaler), ("threads", threads), ("huge", huge),
-                           ("exchange", exchange)):
+                           ("replay_fails", replay_fails), ("exchange", exchange)):
         result = scenario(rank, out)
         with open(os.path.join(out, f"{name}-rank{rank}.json"), "w") as fh:
             json.dump(result, fh, default=str)

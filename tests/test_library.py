@@ -132,3 +132,12 @@ def test_agreement_and_ring_transfer(run):
         assert (r["equal"], r["one_differs"], r["one_vetoes"], r["beyond_52_bits"]) == (True, False, False, True)
         assert r["received"] == {"from": (rank - 1) % 3}
         assert r["note"] == bytes([(rank - 1) % 3]).hex() * 16
+
+
+def test_a_replay_that_raises_on_one_rank_stops_every_rank_without_hanging(run):
+    # The failing rank vetoes the audit's agreement instead of leaving it: every rank then learns
+    # what failed where and raises the same ReplayError; no alarm, the update is not applied.
+    _, result = run
+    for r in result("replay_fails"):
+        assert r["0"] == "ok"
+        assert r["1"] == {"failures": {"1": "RuntimeError: out of memory (simulated)"}, "step": 1, "applied": False}
