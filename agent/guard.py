@@ -223,8 +223,9 @@ class Guard:
         return False
 
     def _audit(self, step: int, payload: Payload) -> None:
-        """Checks 1, 2 and 3 with one synchronisation after the backward pass: this rank's batch
-        leaves for its replayer with the digest of its own pass, the weights are fingerprinted
+        """Checks 1, 2 and 3 with one collective after the backward pass, besides the batch
+        transfer between ring neighbours: this rank's batch leaves for its replayer with the
+        digest of its own pass, the weights are fingerprinted
         while it travels (before the replay, as the SPEC says), the neighbour's batch is replayed
         and compared locally, and one 16-byte all-reduce says whether every rank's gradients are
         finite, its weights agree and its replay matched. Only when not is everything gathered
