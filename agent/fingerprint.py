@@ -97,8 +97,6 @@ def _triton_sums(tensors: Sequence[torch.Tensor], chunk_elements: int | None) ->
 def _cpu_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Small tensors packed together, the others one by one."""
     small = [i for i, t in enumerate(tensors) if fingerprint_torch.packable(t)]
-    if len(small) == len(tensors):  # a small model's parameters, a bucket of them
-        return fingerprint_torch.packed_sums([_integer_view(t.detach()).reshape(-1) for t in tensors])
     out = torch.empty((len(tensors), 2), dtype=torch.int64)
     out[small] = fingerprint_torch.packed_sums([_integer_view(tensors[i].detach()).reshape(-1) for i in small])
     for i in sorted(set(range(len(tensors))) - set(small)):

@@ -225,34 +225,35 @@ class Guard:
     def _audit(self, step: int, payload: Payload) -> None:
         """Checks 1, 2 and 3 with one collective after the backward pass, besides the batch
         transfer between ring neighbours: this rank's batch leaves for its replayer with the
-        digest of its own pass, the weights are fingerprinted
-        while it travels (before the replay, as the SPEC says), the neighbour's batch is replayed
-        and compared locally, and one 16-byte all-reduce says whether every rank's gradients are
-        finite, its weights agree and its replay matched. Only when not is everything gathered
-        and judged in the SPEC's order — non-finite gradients, then weights, then replays — so
-        that neither a NaN nor a weight fault is taken for a compute fault."""
+        digest of its own pass, the weights are fingerprinted while it travels (before the
+        replay, as the SPEC says), the neighbour's batch is replayed and compared locally, and one
+        16-byte all-reduce says whether every rank's gradients are finite, its weights agree and
+        its replay matched. Only when not is everything gathered and judged in the SPEC's order —
+        non-finite gradients, then weights, then replays — so that neither a NaN nor a weight
+        fault is taken for a compute fault."""
         started = time.perf_counter()
         norms = self.recorder.norms(self.device)
         finite = bool(torch.isfinite(norms).all())
         self.stats.timed("nonfinite", started)
         started = time.perf_counter()
         own = self._own_pass()
-        incoming = self.replayer.post_batch(serialize(payload), own.digest())
+        own_digest = own.digest()
+        incoming = self.replayer.post_batch(serialize(payload), own_digest)
         weights_started = time.perf_counter()
         weights = fingerprint_weights(self.named_parameters)
         self.stats.timed("weights", weights_started)
         started += time.perf_counter() - weights_started  # the replay's time leaves the weights' out
         with deterministic(True):
             replayed, failure = self._replay_neighbour(incoming)
-            matched = replayed is not None and replayed.digest() == incoming.note
+            replay_digest = replayed.digest() if replayed is not None else bytes(DIGEST_BYTES)
+            matched = failure is None and replay_digest == incoming.note
             if agree(weights.digest, self.device, self.group, veto=not (finite and matched)):
                 self._weights_verified(step, weights)
                 verdict = None
             elif self._judge_nonfinite(step, payload, gather_norms(norms, self.group)):
                 verdict = None  # an honest overflow: the scaler skips this step
             else:
-                mine = replayed.digest() if replayed is not None else bytes(DIGEST_BYTES)
-                digests = gather_digests([weights.digest, own.digest(), mine], self.device, self.group)
+                digests = gather_digests([weights.digest, own_digest, replay_digest], self.device, self.group)
                 self._raise_if(step, self._judge_weights(step, weights, [d[0] for d in digests]))
                 self._raise_if_replays_failed(step, failure)
                 verdict = self.replayer.judge(own, replayed, [d[1:] for d in digests], payload, self._scale)

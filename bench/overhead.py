@@ -1,6 +1,6 @@
 """Step-time overhead of sdcguard against plain DDP, and against the replay floor.
 
-    .venv/bin/python bench/overhead.py [--rounds 5] [--window 100]
+    .venv/bin/python bench/overhead.py [--rounds 5] [--window 100] [--ranks 3] [--slice 10]
 
 Launches 3 gloo ranks (one thread each) training bench/gpt.py's TinyGPT. Five configurations,
 each on its own DDP replica: plain DDP; plain DDP plus one 16-byte all-reduce between backward and
@@ -8,7 +8,8 @@ update (no check: the price of the one synchronisation that lets ranks agree bef
 which checks 1a/1b need); sdcguard with checks 1 and 3 only (weight check every 100); audits
 every 100; audits every 10. A round trains every configuration for the same window
 of steps (whole audit periods, so audit steps are counted, not hidden by a median), interleaved
-slice by slice (10 steps of each in turn), so that a burst of noise from a neighbour on this
+slice by slice (`--slice` steps of each in turn, 10 by default; with 1 every step starts with
+caches full of another replica, as with a model too big for them), so that a burst of noise from a neighbour on this
 shared machine lands on all of them alike. A configuration's figure is the median over rounds of
 its time divided by plain DDP's time in the same round; the spread over rounds (min-max) is
 printed beside it.
