@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .alarm import SCHEMA, AlarmError
+from .contract.alarm import SCHEMA, AlarmError
 from .config import Config
 
 __version__ = "0.1.0"
@@ -18,7 +18,8 @@ __all__ = [
 
 _LAZY = {
     "Guard": "guard", "SDCDetected": "errors", "ReplayError": "errors", "ConfigurationError": "errors",
-    "fingerprint": "fingerprint", "fingerprint_many": "fingerprint", "forward_seed": "rng", "replaying": "replay",
+    "fingerprint": "fingerprint", "fingerprint_many": "fingerprint", "forward_seed": "checks.rng",
+    "replaying": "checks.replay",
     "load_checkpoint": "checkpoint", "CheckpointError": "checkpoint",
 }
 

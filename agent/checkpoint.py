@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .alarm import now_rfc3339
-from .spool import write_json_atomic
-from .weights import fingerprint_weights
+from .contract.alarm import now_rfc3339
+from .contract.spool import write_json_atomic
+from .checks.weights import fingerprint_weights
 
 MANIFEST_SCHEMA = "sdcguard.dev/checkpoint/v1"
 

@@ -5,7 +5,7 @@ import argparse
 import importlib
 import sys
 
-from . import drill
+from .drill import launch as drill
 
 # Subcommands that live in modules with their own argument parsers (and heavier imports).
 DELEGATED = {

@@ -20,22 +20,23 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from . import fingerprint_triton, spool
-from .alarm import CHECK_WEIGHTS, make_alarm
-from .audit import Replayer
-from .commhook import GradientRecorder, ReduceHook, record_then_reduce
+from .contract import spool
+from .fingerprint import triton_kernel as fingerprint_triton
+from .contract.alarm import CHECK_WEIGHTS, make_alarm
+from .checks.audit import Replayer
+from .checks.commhook import GradientRecorder, ReduceHook, record_then_reduce
 from .config import Config
-from .determinism import check_replayable, deterministic
+from .checks.determinism import check_replayable, deterministic
 from .errors import ReplayError, SDCDetected
-from .exchange import DIGEST_BYTES, Incoming, agree, gather_digests, gather_objects, serialize
+from .checks.exchange import DIGEST_BYTES, Incoming, agree, gather_digests, gather_objects, serialize
 from .fingerprint import Fingerprint, fingerprint
-from .nonfinite import all_finite, gather_norms, judge_nonfinite, nonfinite_local_ranks
-from .replay import PassResult, Payload, replaying, snapshot_buffers
-from .rng import forward_seed, seeded
-from .stats import CheckStats
-from .topology import Topology, gather_topology
-from .verdict import Verdict
-from .weights import WeightCheck, fingerprint_weights, judge_weight_digests
+from .checks.nonfinite import all_finite, gather_norms, judge_nonfinite, nonfinite_local_ranks
+from .checks.replay import PassResult, Payload, replaying, snapshot_buffers
+from .checks.rng import forward_seed, seeded
+from .contract.stats import CheckStats
+from .checks.topology import Topology, gather_topology
+from .checks.verdict import Verdict
+from .checks.weights import WeightCheck, fingerprint_weights, judge_weight_digests
 
 log = logging.getLogger("sdcguard")
 

@@ -4,7 +4,7 @@
 
 For W in (2, 4, 6) ranks (gloo, 2 ranks per node) and two model sizes, runs a few steps twice —
 ordinary steps (check 1 only), then steps that are all audited and weight-checked (checks 1, 2, 3)
-— and reads sdcguard's own traffic counters (`sdcguard.exchange.TRAFFIC`: what this rank put into
+— and reads sdcguard's own traffic counters (`sdcguard.checks.exchange.TRAFFIC`: what this rank put into
 each exchange, before any collective algorithm copies it). Columns: check 1's norms; agreements
 (16-byte all-reduces: on an audit step one covers checks 1, 2 and 3; check 3 after the update has
 its own); digests (the note sent with the batch: the digest of the owner's pass, 16 B); the batch
@@ -28,7 +28,7 @@ def worker(out: str, width: int, audited: bool) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     import sdcguard
-    from sdcguard.exchange import TRAFFIC
+    from sdcguard.checks.exchange import TRAFFIC
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

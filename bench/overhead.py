@@ -41,7 +41,7 @@ def worker(out: str, rounds: int, window: int, slice_steps: int) -> None:
     from gpt import TinyGPT, lm_batch, lm_loss
 
     import sdcguard
-    from sdcguard.rng import forward_seed, seeded
+    from sdcguard.checks.rng import forward_seed, seeded
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sdcguard import alarm as alarm_schema
+from sdcguard.contract import alarm as alarm_schema
 
 from . import kube
 from .settings import Settings

@@ -135,7 +135,7 @@ class OperatorWorld:
     def alarm_event(self, namespace: str, record: dict[str, Any] | None = None, *, raw: str | None = None,
                     involved_pod: str = "unknown") -> str:
         """Post an alarm Event the way the sidecar does (SPEC §4); returns the Event's name."""
-        from sdcguard import alarm
+        from sdcguard.contract import alarm
 
         annotations = {} if raw is None and record is None else {"sdcguard.dev/alarm": raw if raw is not None
                                                                   else alarm.dumps(record)}
@@ -198,7 +198,7 @@ def make_alarm(namespace: str, job: str, *, check: str = "replay", step: int = 4
                suspects: list[tuple[int, str, str]] = (), reporter: tuple[int, str, str] | None = None,
                checkpoint: str | None = "checkpoint-19.pt", alarm_id: str | None = None) -> dict[str, Any]:
     """A v1 alarm record via the shared schema module; suspects/reporter are (rank, pod, node)."""
-    from sdcguard import alarm
+    from sdcguard.contract import alarm
 
     identities = {rank: {"rank": rank, "pod": pod, "node": node} for rank, pod, node in suspects}
     reporter = reporter or (99, f"{job}-reporter", "hyperpod-i-00000000000000000")

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from sdcguard import fingerprint_triton
+from sdcguard.fingerprint import triton_kernel as fingerprint_triton
 from sdcguard.fingerprint import (
     fingerprint, fingerprint_many, fingerprint_reference, fingerprint_sums, to_fingerprints,
 )

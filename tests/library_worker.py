@@ -27,10 +27,10 @@ from torch.nn.parallel import DistributedDataParallel
 import sdcguard
 from sdcguard.checkpoint import CheckpointError, load_checkpoint
 from sdcguard.config import Config
-from sdcguard.faults import parse_fault
+from sdcguard.faults.spec import parse_fault
 from sdcguard.fingerprint import digest, fingerprint
-from sdcguard.inject import FaultInjector
-from sdcguard.rng import forward_seed, seeded
+from sdcguard.faults.injector import FaultInjector
+from sdcguard.checks.rng import forward_seed, seeded
 
 STEPS, MICRO = 6, 2
 
@@ -172,7 +172,7 @@ class Scaled(nn.Module):
 
 
 def huge(rank, out):
-    from sdcguard.exchange import TRAFFIC
+    from sdcguard.checks.exchange import TRAFFIC
 
     model = Scaled()
     ddp = DistributedDataParallel(model)
@@ -212,7 +212,7 @@ def replay_fails(rank, out):
 
 
 def exchange(rank, out):
-    from sdcguard.exchange import agree, ring_post, serialize
+    from sdcguard.checks.exchange import agree, ring_post, serialize
 
     cpu = torch.device("cpu")
     same = bytes(range(16))

@@ -4,7 +4,9 @@ import math
 
 import pytest
 
-from sdcguard import alarm, spool
+from sdcguard.contract import alarm
+
+from sdcguard.contract import spool
 
 IDENTITIES = {r: {"rank": r, "pod": f"job-worker-{r}", "node": f"hyperpod-i-0abc{r}"} for r in range(4)}
 
@@ -86,5 +88,5 @@ def test_spool_refuses_an_invalid_record(tmp_path):
 def test_alarm_module_needs_no_torch():
     import subprocess
     import sys
-    code = "import sys, sdcguard.alarm, sdcguard.spool, sdcguard.faults; assert 'torch' not in sys.modules"
+    code = "import sys, sdcguard.contract.alarm, sdcguard.contract.spool, sdcguard.faults.spec; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -298,7 +298,7 @@ def test_iam_policy_allows_exactly_the_sagemaker_actions_the_operator_calls() ->
 
 
 @pytest.mark.parametrize("dockerfile, requirements, module", [
-    ("Dockerfile.agent", "agent-requirements.txt", "sdcguard.sidecar"),
+    ("Dockerfile.agent", "agent-requirements.txt", "sdcguard.sidecar.publisher"),
     ("Dockerfile.operator", "operator-requirements.txt", "sdcguard_operator"),
 ])
 def test_images_are_pinned_multi_stage_non_root_and_torch_free(dockerfile: str, requirements: str, module: str) -> None:

@@ -1,8 +1,8 @@
 """The --inject grammar and the drill's expectations of which check catches what."""
 import pytest
 
-from sdcguard.drill_report import Schedule, expectation, judge, passed
-from sdcguard.faults import KINDS, FaultSpec, FaultSpecError, parse_fault
+from sdcguard.drill.report import Schedule, expectation, judge, passed
+from sdcguard.faults.spec import KINDS, FaultSpec, FaultSpecError, parse_fault
 
 
 def test_every_kind_parses():

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdcguard import fingerprint_torch
+from sdcguard.fingerprint import torch_path as fingerprint_torch
 from sdcguard.fingerprint import (
     _COLUMNS, CPU_CHUNK_ELEMENTS, Fingerprint, digest, fingerprint, fingerprint_many, fingerprint_reference,
 )

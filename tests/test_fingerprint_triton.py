@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdcguard import fingerprint_triton
+from sdcguard.fingerprint import triton_kernel as fingerprint_triton
 from sdcguard.fingerprint import fingerprint
 
 triton = pytest.importorskip("triton")
@@ -35,7 +35,7 @@ def test_kernel_off_gpu_is_a_clear_error():
 def test_self_test_fails_closed_with_a_warning(caplog):
     # Where the kernel cannot run, the self-test that guards the automatic choice says no.
     fingerprint_triton._self_test.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="sdcguard.fingerprint_triton"):
+    with caplog.at_level(logging.WARNING, logger="sdcguard.fingerprint.triton_kernel"):
         assert not fingerprint_triton.ready(torch.device("cpu"))
     assert "using the torch path" in caplog.text
 

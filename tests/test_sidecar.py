@@ -22,9 +22,11 @@ import kubernetes
 import pytest
 
 from kube_emulator import start_emulator, write_kubeconfig
-from sdcguard import alarm, events, spool
-from sdcguard.sidecar import Backoff
-from sdcguard.stats import CheckStats
+from sdcguard.contract import alarm
+from sdcguard.contract import events
+from sdcguard.contract import spool
+from sdcguard.sidecar.publisher import Backoff
+from sdcguard.contract.stats import CheckStats
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -296,8 +298,8 @@ def test_backoff_doubles_up_to_its_ceiling_and_resets() -> None:
 
 
 def test_sidecar_never_imports_torch() -> None:
-    code = ("import sys, sdcguard.cli, sdcguard.sidecar, sdcguard.sidecar_metrics, sdcguard.events; "
-            "sdcguard.sidecar.build_parser(); "
+    code = ("import sys, sdcguard.cli, sdcguard.sidecar.publisher, sdcguard.sidecar.metrics, sdcguard.contract.events; "
+            "sdcguard.sidecar.publisher.build_parser(); "
             "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
             "print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

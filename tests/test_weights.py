@@ -1,6 +1,6 @@
 """Check 3's vote, without processes: who is named, and what the evidence holds."""
 from sdcguard.fingerprint import Fingerprint
-from sdcguard.weights import judge_weights, strict_majority
+from sdcguard.checks.weights import judge_weights, strict_majority
 
 GOOD = [Fingerprint(1, 2), Fingerprint(3, 4)]
 BAD = [Fingerprint(1, 2), Fingerprint(3, 5)]

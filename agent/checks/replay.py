@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from .commhook import squared_norm
-from .fingerprint import Fingerprint, fingerprint, fingerprint_many
+from ..fingerprint import Fingerprint, fingerprint, fingerprint_many
 from .rng import forward_seed, seeded
 
 _state = {"replaying": False}

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .alarm import CHECK_REPLAY, CHECK_WEIGHTS
-from .faults import FaultSpec
+from ..contract.alarm import CHECK_REPLAY, CHECK_WEIGHTS
+from ..faults.spec import FaultSpec
 
 # Outcomes. The first three are what a healthy sdcguard produces; the rest fail the drill.
 CAUGHT, AMBIGUOUS, ESCAPED, NOT_REACHED = "caught", "caught-ambiguous", "escaped", "not-reached"

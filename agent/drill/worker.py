@@ -1,6 +1,6 @@
 """One rank of a drill: real DDP training of the drill model, with faults injected.
 
-Started by ``sdcguard drill`` as ``python -m sdcguard.drill_worker CONFIG.json`` with ``RANK``,
+Started by ``sdcguard drill`` as ``python -m sdcguard.drill.worker CONFIG.json`` with ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` and ``NODE_NAME`` set; writes ``rank-<r>.json`` when done.
 """
 from __future__ import annotations
@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .config import Config
-from .drill_model import DrillModel, loss_fn, make_batch
-from .errors import SDCDetected
-from .faults import FaultSpec
-from .fingerprint import digest, fingerprint
-from .guard import Guard
-from .inject import FaultInjector
+from ..config import Config
+from .model import DrillModel, loss_fn, make_batch
+from ..errors import SDCDetected
+from ..faults.spec import FaultSpec
+from ..fingerprint import digest, fingerprint
+from ..guard import Guard
+from ..faults.injector import FaultInjector
 
 
 def main(config_path: str) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import Config
+from ..config import Config
 
 
 @dataclass(frozen=True, slots=True)

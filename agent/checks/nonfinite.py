@@ -15,7 +15,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .alarm import CHECK_NONFINITE_LOCAL, CHECK_NONFINITE_REDUCED
+from ..contract.alarm import CHECK_NONFINITE_LOCAL, CHECK_NONFINITE_REDUCED
 from .exchange import TRAFFIC, gather_tensor
 from .verdict import Verdict
 

@@ -114,7 +114,7 @@ def ready(device: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _self_test(device: str) -> bool:
-    from .fingerprint import fingerprint
+    from . import fingerprint
 
     gen = torch.Generator().manual_seed(0)
     # Spans more than one program for every width, with a ragged tail.

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .rng import forward_seed
+from ..checks.rng import forward_seed
 
 FEATURES, WIDTH, CLASSES = 16, 32, 4
 

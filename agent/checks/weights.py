@@ -13,9 +13,9 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from .alarm import CHECK_WEIGHTS
+from ..contract.alarm import CHECK_WEIGHTS
 from .exchange import gather_objects
-from .fingerprint import Fingerprint, digest, fingerprint_many
+from ..fingerprint import Fingerprint, digest, fingerprint_many
 from .verdict import Verdict, parameter_summary
 
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from .commhook import allreduce_mean
-from .faults import FaultSpec
-from .replay import replaying
+from ..checks.commhook import allreduce_mean
+from .spec import FaultSpec
+from ..checks.replay import replaying
 
-log = logging.getLogger("sdcguard.inject")
+log = logging.getLogger("sdcguard.faults")
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 # No `from __future__ import annotations`: DDP checks comm-hook annotations at runtime.
 import torch
 import torch.distributed as dist
-from .fingerprint import Fingerprint, fingerprint_sums, to_fingerprints
+from ..fingerprint import Fingerprint, fingerprint_sums, to_fingerprints
 
 __all__ = ["GradientRecorder", "record_then_reduce", "allreduce_mean", "squared_norm"]
 

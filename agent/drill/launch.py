@@ -17,10 +17,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from . import alarm as _alarm
-from . import spool
-from .drill_report import Schedule, judge, passed
-from .faults import FaultSpec, FaultSpecError, parse_fault
+from ..contract import alarm as _alarm
+from ..contract import spool
+from .report import Schedule, judge, passed
+from ..faults.spec import FaultSpec, FaultSpecError, parse_fault
 
 
 class DrillInputError(ValueError):
@@ -146,7 +146,7 @@ def _launch(cfg: dict[str, Any]) -> list[int]:
             "NODE_NAME": f"drill-node-{rank // cfg['ranks_per_node']}",
             "OMP_NUM_THREADS": "1",
         }
-        procs.append(subprocess.Popen([sys.executable, "-m", "sdcguard.drill_worker", str(config_path)], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", "sdcguard.drill.worker", str(config_path)], env=env))
     try:
         return [p.wait() for p in procs]
     finally:

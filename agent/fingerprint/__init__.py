@@ -23,8 +23,9 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from . import fingerprint_torch, fingerprint_triton
-from .fingerprint_torch import COLUMNS as _COLUMNS
+from . import torch_path as fingerprint_torch
+from . import triton_kernel as fingerprint_triton
+from .torch_path import COLUMNS as _COLUMNS
 
 __all__ = ["Fingerprint", "fingerprint", "fingerprint_many", "fingerprint_sums", "to_fingerprints",
            "digest", "fingerprint_reference"]

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .alarm import CHECK_NONFINITE_LOCAL, CHECK_REPLAY
+from ..contract.alarm import CHECK_NONFINITE_LOCAL, CHECK_REPLAY
 from .exchange import Incoming, broadcast_digest, gather_objects, gather_tensor, ring_exchange, ring_post
 from .replay import PassResult, Payload, replay
 from .topology import Topology

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .stats import STATS_SCHEMA
+from ..contract.stats import STATS_SCHEMA
 
 log = logging.getLogger("sdcguard.sidecar")
 

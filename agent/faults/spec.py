@@ -15,7 +15,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .alarm import CHECK_NONFINITE_LOCAL, CHECK_NONFINITE_REDUCED, CHECK_REPLAY, CHECK_WEIGHTS
+from ..contract.alarm import CHECK_NONFINITE_LOCAL, CHECK_NONFINITE_REDUCED, CHECK_REPLAY, CHECK_WEIGHTS
 
 
 @dataclass(frozen=True, slots=True)

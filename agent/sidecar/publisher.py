@@ -30,9 +30,10 @@ from typing import Any, Callable, Mapping, Protocol
 
 from prometheus_client import CollectorRegistry
 
-from . import alarm as _alarm
-from . import events, spool
-from .sidecar_metrics import HealthState, PublisherMetrics, RankStatsCollector, serve
+from ..contract import alarm as _alarm
+from ..contract import events
+from ..contract import spool
+from .metrics import HealthState, PublisherMetrics, RankStatsCollector, serve
 
 log = logging.getLogger("sdcguard.sidecar")
 

@@ -12,7 +12,7 @@ from typing import Iterator
 
 import torch
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 from .topology import Topology
 
 _CUBLAS_OK = (":4096:8", ":16:8")
