@@ -1,0 +1,56 @@
+"""Every name the in-pod agent, the sidecar and the operator must spell alike, defined once.
+
+Annotations, labels, environment variables, paths, ports and API coordinates. Standard library
+only; ``sdcguard_operator`` imports this module, never the other way round.
+"""
+from __future__ import annotations
+
+# -- API coordinates -------------------------------------------------------------------------------
+GROUP = "sdcguard.dev"
+VERSION = "v1"
+API_VERSION = f"{GROUP}/{VERSION}"
+INCIDENTS = "sdcincidents"
+REPLACEMENTS = "nodereplacements"
+
+JOB_GROUP, JOB_VERSION, JOB_PLURAL, JOB_KIND = "kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"
+JOB_API_VERSION = f"{JOB_GROUP}/{JOB_VERSION}"
+JOB_NAME_LABEL = "training.kubeflow.org/job-name"
+"""Set by the Kubeflow training operator on every pod of a PyTorchJob."""
+
+# -- the alarm Event (SPEC §4) -------------------------------------------------------------------
+EVENT_REASON = "SilentDataCorruption"
+EVENT_COMPONENT = "sdcguard-agent"
+ALARM_ANNOTATION = f"{GROUP}/alarm"
+ALARM_SIGNATURE_ANNOTATION = f"{GROUP}/alarm-signature"
+CHECK_LABEL = f"{GROUP}/check"
+
+# -- enabling a job, and what the webhook adds (SPEC §5) -----------------------------------------
+ENABLED_ANNOTATION = f"{GROUP}/enabled"
+AUDIT_EVERY_ANNOTATION = f"{GROUP}/audit-every"
+WEIGHT_CHECK_EVERY_ANNOTATION = f"{GROUP}/weight-check-every"
+INJECTED_LABEL = f"{GROUP}/injected"
+SIDECAR_CONTAINER = "sdcguard-sidecar"
+SPOOL_VOLUME = "sdcguard-spool"
+SPOOL_PATH = "/var/run/sdcguard"
+SIDECAR_METRICS_PORT = 9464
+ALARM_KEY_SECRET_PREFIX = "sdcguard-alarm-key-"
+ALARM_KEY_DATA_KEY = "key"
+
+# -- the operator's marks on nodes and objects ----------------------------------------------------
+SUSPECT_LABEL = f"{GROUP}/suspect"
+INCIDENT_ANNOTATION = f"{GROUP}/incident"
+INTAKE_ANNOTATION = f"{GROUP}/intake"
+
+# -- environment of the training container (set by the webhook, read by sdcguard.Config) ---------
+ENV_AUDIT_EVERY = "SDCGUARD_AUDIT_EVERY"
+ENV_WEIGHT_CHECK_EVERY = "SDCGUARD_WEIGHT_CHECK_EVERY"
+ENV_SPOOL = "SDCGUARD_SPOOL"
+ENV_RANKS_PER_NODE = "SDCGUARD_RANKS_PER_NODE"
+ENV_SEED = "SDCGUARD_SEED"
+ENV_JOB_NAME = "SDCGUARD_JOB_NAME"
+ENV_JOB_KIND = "SDCGUARD_JOB_KIND"
+ENV_POD_NAME = "POD_NAME"
+ENV_POD_NAMESPACE = "POD_NAMESPACE"
+ENV_NODE_NAME = "NODE_NAME"
+DOWNWARD_API = {ENV_POD_NAME: "metadata.name", ENV_POD_NAMESPACE: "metadata.namespace", ENV_NODE_NAME: "spec.nodeName"}
+"""Environment variable -> downward-API field path, as the webhook adds them."""
