@@ -11,13 +11,16 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .contract import names
+
 ENV = {
-    "audit_every": "SDCGUARD_AUDIT_EVERY",
-    "weight_check_every": "SDCGUARD_WEIGHT_CHECK_EVERY",
-    "spool": "SDCGUARD_SPOOL",
-    "ranks_per_node": "SDCGUARD_RANKS_PER_NODE",
-    "seed": "SDCGUARD_SEED",
+    "audit_every": names.ENV_AUDIT_EVERY,
+    "weight_check_every": names.ENV_WEIGHT_CHECK_EVERY,
+    "spool": names.ENV_SPOOL,
+    "ranks_per_node": names.ENV_RANKS_PER_NODE,
+    "seed": names.ENV_SEED,
 }
+NONFINITE_ACTIONS = ("raise", "skip")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -49,11 +52,23 @@ class Config:
     node: str | None = None
     """This rank's node name (downward API ``NODE_NAME``)."""
 
+    checkpoint_every: int = 0
+    """The job's checkpoint interval, if it has one: with ``audit_checkpoints`` those steps are
+    audit steps too, so that every checkpoint is one the run can trust (see ``recovery``)."""
+
+    audit_checkpoints: bool = True
+    """Audit every ``checkpoint_every``-th step (only with ``checkpoint_every``)."""
+
+    on_nonfinite: str = "raise"
+    """A NaN/Inf gradient that reproduces on another node (the data or the model, not the
+    hardware): ``"raise"`` :class:`~sdcguard.errors.NonFiniteGradient` on every rank, or
+    ``"skip"`` the step (its gradients are dropped; counted and logged)."""
+
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form settings kept for the record (e.g. the drill's fault list)."""
 
     def __post_init__(self) -> None:
-        for name in ("audit_every", "weight_check_every"):
+        for name in ("audit_every", "weight_check_every", "checkpoint_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
@@ -61,22 +76,33 @@ class Config:
             not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1
         ):
             raise ValueError(f"ranks_per_node must be an integer >= 1, got {self.ranks_per_node!r}")
+        if self.on_nonfinite not in NONFINITE_ACTIONS:
+            raise ValueError(f"on_nonfinite must be one of {NONFINITE_ACTIONS}, got {self.on_nonfinite!r}")
+
+    def audits_checkpoints(self) -> bool:
+        return bool(self.checkpoint_every and self.audit_checkpoints)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Config":
-        """Settings from ``SDCGUARD_*`` and downward-API variables; keyword arguments win."""
+    def from_env(cls, environ: Mapping[str, str] | None = None, **defaults: Any) -> "Config":
+        """Settings from ``SDCGUARD_*`` and downward-API variables over ``defaults``.
+
+        What the platform set in the environment (the webhook turns the job's annotations into
+        it) wins over the keyword defaults the script passes; for settings that must not be
+        overridden, build ``Config(...)`` explicitly."""
         env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = dict(defaults)
         for name, var in ENV.items():
             raw = env.get(var, "").strip()
             if raw:
                 values[name] = raw if name == "spool" else _parse_int(var, raw)
         if "ranks_per_node" not in values and env.get("LOCAL_WORLD_SIZE", "").strip():
             values["ranks_per_node"] = _parse_int("LOCAL_WORLD_SIZE", env["LOCAL_WORLD_SIZE"])
-        values["pod"] = env.get("POD_NAME") or None
-        values["node"] = env.get("NODE_NAME") or None
-        values["job"] = _job_from_env(env)
-        values.update(overrides)
+        for key, var in (("pod", names.ENV_POD_NAME), ("node", names.ENV_NODE_NAME)):
+            if env.get(var):
+                values[key] = env[var]
+        job = _job_from_env(env)
+        if job is not None:
+            values["job"] = job
         return cls(**values)
 
     def as_dict(self) -> dict[str, Any]:
@@ -92,11 +118,11 @@ def _parse_int(var: str, raw: str) -> int:
 
 def _job_from_env(env: Mapping[str, str]) -> dict[str, str] | None:
     """The owning job from ``SDCGUARD_JOB_NAME`` (+ ``_KIND``, ``POD_NAMESPACE``), else None."""
-    name = env.get("SDCGUARD_JOB_NAME", "").strip()
+    name = env.get(names.ENV_JOB_NAME, "").strip()
     if not name:
         return None
     return {
-        "kind": env.get("SDCGUARD_JOB_KIND", "").strip() or "PyTorchJob",
+        "kind": env.get(names.ENV_JOB_KIND, "").strip() or names.JOB_KIND,
         "name": name,
-        "namespace": env.get("POD_NAMESPACE", "").strip() or "default",
+        "namespace": env.get(names.ENV_POD_NAMESPACE, "").strip() or "default",
     }

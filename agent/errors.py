@@ -1,4 +1,4 @@
-"""The one exception a detected fault raises, on every rank, after the ranks agree."""
+"""The typed errors the library raises; each is raised on every rank alike, after the ranks agree."""
 from __future__ import annotations
 
 from typing import Any
@@ -17,6 +17,29 @@ class SDCDetected(RuntimeError):
         self.ambiguous: bool = alarm["ambiguous"]
         who = ", ".join(_describe(s) for s in alarm["suspects"]) or "no rank can be named"
         super().__init__(f"silent data corruption: check {self.check} at step {self.step}: {who}")
+
+
+class NonFiniteGradient(RuntimeError):
+    """A NaN/Inf local gradient (or loss) that is *not* silent data corruption: replaying the batch
+    on another node reproduced it, so the data or the model is at fault (or, with a single
+    replica, there was nobody to replay it on: ``confirmed`` is False). No alarm is published and
+    no rank is named; the step's update is refused. Raised on every rank with the same fields.
+    ``Config(on_nonfinite="skip")`` skips such steps instead (counted and logged)."""
+
+    def __init__(self, *, step: int, ranks: dict[int, int | None], confirmed: bool) -> None:
+        self.step = step
+        self.ranks = dict(ranks)
+        """rank -> the micro-batch index that went non-finite (None when not known)."""
+        self.confirmed = confirmed
+        where = ", ".join(f"rank {r}" + (f" micro-batch {m}" if m is not None else "") for r, m in sorted(ranks.items()))
+        how = "reproduced by a replay on another node" if confirmed else "not confirmable with a single replica"
+        super().__init__(f"sdcguard: non-finite gradient at step {step} ({where}), {how}: the data or the "
+                         "model is at fault, not the hardware; the update was not applied")
+
+
+class UncheckedUpdate(RuntimeError):
+    """An optimizer step was attempted before sdcguard's checks of that step ran (or after they
+    failed): refused, so that no update is ever applied unchecked."""
 
 
 class ReplayError(RuntimeError):

@@ -1,56 +1,68 @@
-"""The training-loop wrapper: one data-parallel step with sdcguard's checks in SPEC §3 order.
+"""The Guard: sdcguard's checks composed around the user's own training step (SPEC §3 order).
 
-    guard = sdcguard.Guard(ddp_model, optimizer, loss_fn)
-    for step, batch in enumerate(loader):
-        loss = guard.train_step(step, batch)
+    guard = sdcguard.Guard(model, optimizer, loss_fn)
+    for step, batches in enumerate(loader):
+        with guard.step(step, micro_batches=len(batches)) as s:   # see sdcguard.step
+            for micro in batches:
+                s.backward(micro, divide_by=len(batches))
+            s.check()                      # checks 1 and 2 (3 on audit steps) before any update
+            optimizer.step(); optimizer.zero_grad(set_to_none=True)
+        # leaving the block: check 3 on weight-check steps
 
-``train_step`` does forward + backward, checks 1a/1b, on audit steps check 3 and the ring replay
-(check 2), the optimizer step, then check 3 on weight-check steps. A check that fires raises
-:class:`~sdcguard.errors.SDCDetected` on every rank with the same alarm record, and the update of
-that step is not applied. ``save_checkpoint`` writes only after check 3 passes.
+or, in one call, ``guard.train_step(step, batch)``. A check that fires raises
+:class:`~sdcguard.errors.SDCDetected` on every rank with the same alarm record and the update of
+that step is refused; a NaN/Inf that reproduces elsewhere (the data's, not the hardware's) raises
+:class:`~sdcguard.errors.NonFiniteGradient` instead. ``save_checkpoint`` writes only after check 3.
+
+The model may be ``DistributedDataParallel``, ``torch.compile`` of one, DDP around a compiled
+module, or — with a single process — a plain (or compiled) module: the checks that need other
+replicas then do not run, which the Guard says once at start-up.
 """
 from __future__ import annotations
 
-import contextlib
+import atexit
 import logging
+import os
 import time
+import uuid
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .contract import spool
-from .fingerprint import triton_kernel as fingerprint_triton
-from .contract.alarm import CHECK_WEIGHTS, make_alarm
+from . import recovery
 from .checks.audit import Replayer
-from .checks.commhook import GradientRecorder, ReduceHook, record_then_reduce
-from .config import Config
-from .checks.determinism import check_replayable, deterministic
-from .errors import ReplayError, SDCDetected
+from .checks.commhook import GradientRecorder, ReduceHook, record_then_reduce, squared_norm
+from .checks.determinism import check_replayable
 from .checks.exchange import DIGEST_BYTES, Incoming, agree, gather_digests, gather_objects, serialize
-from .fingerprint import Fingerprint, fingerprint
 from .checks.nonfinite import all_finite, gather_norms, judge_nonfinite, nonfinite_local_ranks
 from .checks.replay import PassResult, Payload, replaying, snapshot_buffers
-from .checks.rng import forward_seed, seeded
-from .contract.stats import CheckStats
 from .checks.topology import Topology, gather_topology
 from .checks.verdict import Verdict
 from .checks.weights import WeightCheck, fingerprint_weights, judge_weight_digests
+from .config import Config
+from .contract import spool
+from .contract.alarm import make_alarm
+from .contract.stats import CheckStats
+from .errors import NonFiniteGradient, ReplayError, SDCDetected, UncheckedUpdate
+from .fingerprint import triton_kernel as fingerprint_triton
+from .step import Step
 
 log = logging.getLogger("sdcguard")
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 """``loss_fn(module, micro_batch) -> scalar loss``: the forward pass and the loss, nothing else.
-It is called with the DDP model for the real pass and with the bare module for replays."""
+It is called with your model for the real pass and with the bare module for replays."""
 
 
 class Guard:
-    """Wraps a ``DistributedDataParallel`` model and its optimizer for checked training steps."""
+    """sdcguard's checks for one model and its optimizer; one per training process."""
 
     def __init__(
         self,
-        model: DistributedDataParallel,
+        model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         loss_fn: LossFn,
         *,
@@ -59,171 +71,281 @@ class Guard:
         reduce_hook: ReduceHook | None = None,
         reduce_state: Any = None,
     ) -> None:
-        if not isinstance(model, DistributedDataParallel):
-            raise TypeError("Guard needs a torch.nn.parallel.DistributedDataParallel model")
         # Settings.
         self.model = model
+        """What ``loss_fn`` is called with for the real pass (DDP, compiled, or plain)."""
+        self.ddp, self.module, self.compiled = unwrap(model)
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        self.scaler = scaler
+        # A disabled GradScaler (what nanoGPT builds for float32/bfloat16) never skips a step: none.
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.config = config if config is not None else Config.from_env()
-        self.group: dist.ProcessGroup | None = model.process_group
-        self.device = _collective_device(self.group)
-        self.topology: Topology = gather_topology(self.config, self.group)
-        self.named_parameters = list(model.module.named_parameters())
-        self.recorder = GradientRecorder(
-            [p for _, p in self.named_parameters], self.group, reduce_hook, reduce_state
-        )
-        model.register_comm_hook(self.recorder, record_then_reduce)
+        self.group: dist.ProcessGroup | None = self.ddp.process_group if self.ddp is not None else None
+        distributed = dist.is_available() and dist.is_initialized()
+        if self.ddp is None and distributed and dist.get_world_size() > 1:
+            raise TypeError("with more than one process, Guard needs the model wrapped in "
+                            "DistributedDataParallel (or torch.compile of it)")
+        self.device = _collective_device(self.group) if self.ddp is not None else _param_device(self.module)
+        self.topology: Topology = (gather_topology(self.config, self.group) if self.ddp is not None
+                                   else _solo_topology(self.config))
+        self.solo = self.topology.world_size == 1
+        self.named_parameters = list(self.module.named_parameters())
+        self.recorder: GradientRecorder | None = None
+        if self.ddp is not None:
+            self.recorder = GradientRecorder([p for _, p in self.named_parameters], self.group, reduce_hook, reduce_state)
+            self.ddp.register_comm_hook(self.recorder, record_then_reduce)
+        elif reduce_hook is not None:
+            raise TypeError("reduce_hook needs a DistributedDataParallel model")
         self.replayer = Replayer(
-            module=model.module, loss_fn=loss_fn,
+            module=self.ddp.module if self.ddp is not None else self.module, loss_fn=loss_fn,
             params=[(i, p) for i, (_, p) in enumerate(self.named_parameters) if p.requires_grad],
             names={i: n for i, (n, _) in enumerate(self.named_parameters)},
             topology=self.topology, group=self.group, device=self.device, seed=self.config.seed,
         )
-        if self.config.audit_every:
-            check_replayable(self.topology, next(model.parameters()).device)
-        if next(model.parameters()).is_cuda:  # compile and self-test the GPU kernel now, not mid-step
-            fingerprint_triton.ready(next(model.parameters()).device)
-        if any(True for _ in model.module.buffers()):
-            model.module.register_forward_pre_hook(self._remember_buffers)
-        # What this step's own pass recorded for a replay to compare with.
-        self._recording = False
-        self._micro = 0
-        self._own_losses: list[Fingerprint] = []
-        self._seen_buffers: list[dict[str, torch.Tensor]] = []
+        if self.config.audit_every and not self.solo:
+            check_replayable(self.topology, _param_device(self.module))
+        if _param_device(self.module).type == "cuda":  # compile and self-test the GPU kernel now, not mid-step
+            fingerprint_triton.ready(_param_device(self.module))
+        if not self.solo and any(True for _ in self.module.buffers()):
+            # Eager even inside compiled code: it keeps Python state, which dynamo must not trace.
+            hook = torch._dynamo.disable(self._remember_buffers) if self.compiled else self._remember_buffers
+            self.replayer.module.register_forward_pre_hook(hook)
+        optimizer.register_step_pre_hook(self._refuse_unchecked)
+        # Internal state of the step in progress.
+        self._recording: Step | None = None
+        self._current: Step | None = None
+        self._update_allowed = False
+        self._audit_requests: set[int] = set()
         # Observed state.
-        self.last_verified_step: int | None = None
-        """Last step whose checks all passed."""
-        self.last_weights_verified_step: int | None = None
-        """Last step at which check 3 found every replica's weights identical."""
+        self.history = recovery.History()
+        """What this run has verified: audits, weights, checkpoints (see ``sdcguard.recovery``)."""
         self.last_weights_digest: str | None = None
-        self.checkpoints: list[tuple[int, str]] = []
-        """(step, path) of each checkpoint written after a passing check 3, oldest first."""
         self.alarms_raised = 0
+        self.nonfinite_skipped = 0
+        """Steps skipped because of a reproduced NaN/Inf (``on_nonfinite="skip"``)."""
         self.stats = CheckStats(self.topology.identities[self.topology.rank], self.config.job)
-        if self.topology.rank == 0:
-            log.info(
-                "sdcguard: %d ranks, %d per node, audit every %s, weight check every %s, spool %s",
-                self.topology.world_size, self.topology.ranks_per_node,
-                self.config.audit_every or "never", self.config.weight_check_every or "never",
-                self.config.spool or "(none)",
-            )
+        self._closed = False
+        atexit.register(_close_at_exit, weakref.ref(self))
+        self._log_configuration()
 
     # -- the step ------------------------------------------------------------------------------
 
-    def train_step(self, step: int, batch: Any = None, *, micro_batches: Sequence[Any] | None = None) -> torch.Tensor:
-        """Run one checked optimizer step on ``batch`` (or on several ``micro_batches``).
+    def step(self, step: int, *, micro_batches: int = 1, audit: bool | None = None) -> Step:
+        """A checked step in your own loop (use as ``with guard.step(step) as s:``).
 
-        Returns the mean loss over the micro-batches (detached).
-        """
+        ``audit=True`` makes this step an audit step on demand (e.g. before a checkpoint);
+        every rank must pass the same value."""
+        if self._current is not None:
+            raise RuntimeError(f"sdcguard: step {step} begun while step {self._current.step} is still open")
+        return Step(self, step, micro_batches, self.is_audit_step(step) if audit is None else bool(audit) and not self.solo)
+
+    def train_step(self, step: int, batch: Any = None, *, micro_batches: Sequence[Any] | None = None,
+                   clip_grad_norm: float | None = None, audit: bool | None = None) -> torch.Tensor:
+        """One checked optimizer step in one call: zero_grad, forward + backward of each
+        micro-batch on ``loss / len(micro_batches)``, the checks, optional gradient clipping
+        (after unscaling, with an enabled GradScaler), the update (through the scaler), check 3.
+
+        Returns the mean of the micro-batch losses (unweighted, detached)."""
         batches = _as_micro_batches(batch, micro_batches)
-        audit = self.is_audit_step(step)
         self.optimizer.zero_grad(set_to_none=True)
-        self.recorder.begin_step(audit)
-        with deterministic(audit):
-            loss = self._forward_backward(step, batches, record=audit or self.scaler is not None)
-        payload = Payload(step, self.topology.rank, batches, self._seen_buffers)
-        self.stats.last_step = step
-        if audit:
-            self._audit(step, payload)  # checks 1, 2 and 3, agreed on in one all-reduce
-        else:
-            self._check_nonfinite(step, payload)
-        self._apply_update()
-        if self.is_weight_check_step(step):
-            self.check_weights(step)
-        self.last_verified_step = self.stats.last_verified_step = step
-        self.stats.steps += 1
-        self.stats.flush(self.config.spool)
-        return loss
+        with self.step(step, micro_batches=len(batches), audit=audit) as s:
+            for micro in batches:
+                s.backward(micro, divide_by=len(batches) if len(batches) > 1 else None)  # x / 1 == x
+            s.check()
+            if clip_grad_norm is not None:
+                if self.scaler is not None:
+                    self.scaler.unscale_(self.optimizer)
+                torch.nn.utils.clip_grad_norm_([p for _, p in self.named_parameters], clip_grad_norm)
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        return s.loss
 
     def is_audit_step(self, step: int) -> bool:
         # A single replica has nobody to replay its batch: check 2 needs two ranks at least.
-        return self.config.audit_every > 0 and step % self.config.audit_every == 0 and self.topology.world_size > 1
+        if self.solo:
+            return False
+        every = self.config.audit_every
+        if every > 0 and step % every == 0:
+            return True
+        return self.config.audits_checkpoints() and step % self.config.checkpoint_every == 0
 
     def is_weight_check_step(self, step: int) -> bool:
         every = self.config.weight_check_every
         return every > 0 and step % every == 0
 
+    @property
+    def last_verified_step(self) -> int | None:
+        """The last step at which every check ran and passed (see ``recovery.History``)."""
+        return self.history.last_verified_step
+
+    @property
+    def last_weights_verified_step(self) -> int | None:
+        return self.history.last_weights_verified_step
+
+    @property
+    def checkpoints(self) -> list[tuple[int, str]]:
+        """(step, path) of each checkpoint this run wrote or resumed from, oldest first."""
+        return [(c.step, c.path) for c in self.history.checkpoints]
+
     def check_weights(self, step: int) -> None:
-        """Run check 3 now (every rank must call it); raise SDCDetected if a replica differs."""
+        """Run check 3 now on the weights after ``step``'s update (every rank must call it);
+        raise SDCDetected if a replica differs."""
         self._raise_if(step, self.weights_verdict(step))
 
     def flush_stats(self) -> None:
-        """Write this rank's check statistics to the spool now (e.g. at the end of training)."""
+        """Write this rank's check statistics to the spool now."""
         self.stats.flush(self.config.spool, force=True)
 
-    def save_checkpoint(self, path: str, step: int, extra: dict[str, Any] | None = None) -> str:
-        """Check 3, then write ``path`` and its manifest (every rank calls; rank 0 writes)."""
-        from .checkpoint import save_checkpoint
-        return str(save_checkpoint(self, path, step, extra))
+    def close(self) -> None:
+        """End of training: flush the statistics (also done at interpreter exit)."""
+        if not self._closed:
+            self._closed = True
+            self.flush_stats()
 
-    def load_checkpoint(self, path: str) -> int:
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str | os.PathLike[str], step: int, state: dict[str, Any] | None = None,
+                        *, when: bool = True, model_key: str = "model") -> str | None:
+        """Check 3, then write ``path`` (your ``state`` dict as it is; by default model, optimizer,
+        scaler and step) and its manifest. Every rank calls it; rank 0 decides ``when`` and writes.
+        Returns the path, or None when rank 0 said not to save."""
+        from .checkpoint import save_checkpoint
+        written = save_checkpoint(self, path, step, state, when=when, model_key=model_key)
+        return None if written is None else str(written)
+
+    def load_checkpoint(self, path: str | os.PathLike[str], *, model_key: str = "model") -> int:
         """Resume from a verified checkpoint (every rank calls); return the step it was taken at.
 
         The model, optimizer and scaler are loaded only after the file and the loaded weights
-        match the manifest; the checkpoint then counts as this run's last good one."""
-        from .checkpoint import load_checkpoint
-        device = next(self.model.parameters()).device
-        state = load_checkpoint(path, self.model.module, self.optimizer, self.scaler, map_location=device)
-        step = int(state["step"])
-        self.checkpoints.append((step, str(path)))
-        self.last_verified_step = self.last_weights_verified_step = step
+        match the manifest; the checkpoint then counts as this run's starting point."""
+        from .checkpoint import load_checkpoint, read_manifest
+        state = load_checkpoint(path, self.module, self.optimizer, self.scaler,
+                                map_location=_param_device(self.module), model_key=model_key)
+        manifest = read_manifest(path)
+        step = int(manifest["step"])
+        del state
+        audited = manifest.get("audited_step")
+        self.history = recovery.History(
+            start_step=step + 1, last_audited_step=audited, last_weights_verified_step=step,
+            checkpoints=[recovery.Checkpoint(step, str(path), audited)])
+        self.last_weights_digest = manifest["weight_digest"]
         return step
+
+    # -- the phases of a step (called by Step) -------------------------------------------------
+
+    def _begin(self, s: Step) -> None:
+        if self._current is not None:
+            raise RuntimeError(f"sdcguard: step {s.step} begun while step {self._current.step} is still open")
+        self._current = s
+        self._update_allowed = False
+        if self.recorder is not None:
+            self.recorder.begin_step(s.audit)
+        self.stats.last_step = s.step
+
+    def _end(self, s: Step, failed: bool) -> None:
+        self._current = None
+        self._update_allowed = False
+        if failed:
+            return
+        if s.batches and not s.checked:
+            raise RuntimeError(f"sdcguard: step {s.step} ended without s.check(): its gradients were never checked")
+        if self.is_weight_check_step(s.step):
+            self.check_weights(s.step)
+        self.stats.last_verified_step = self.history.last_verified_step
+        self.stats.steps += 1
+        self.stats.flush(self.config.spool)
+
+    def _refuse_unchecked(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Optimizer step pre-hook: no update without a passing check in the step in progress."""
+        if self._update_allowed:
+            return None
+        if self._current is None:
+            raise UncheckedUpdate("sdcguard: optimizer.step() outside a checked step: run it inside "
+                                  "`with guard.step(step) as s:` after s.check() (or use guard.train_step)")
+        raise UncheckedUpdate(f"sdcguard: optimizer.step() at step {self._current.step} before s.check() "
+                              "passed: the gradients are unchecked, the update is refused")
 
     # -- the checks ----------------------------------------------------------------------------
 
-    def _forward_backward(self, step: int, batches: Sequence[Any], record: bool) -> torch.Tensor:
-        """Accumulate gradients over the micro-batches; DDP reduces on the last one only.
+    def _check(self, s: Step) -> None:
+        """Checks 1 and 2 (and 3 before the update on audit steps), in SPEC order."""
+        payload = s.payload()
+        if self.solo:
+            self._check_solo(s)
+        elif s.audit:
+            self._audit(s, payload)  # checks 1, 2 and 3, agreed on in one all-reduce
+        else:
+            self._check_nonfinite(s, payload)
 
-        With ``record``, keep what a replay compares with: each micro-batch's loss bits and the
-        buffers its forward saw (the gradients' fingerprints come from the comm hook)."""
-        self._recording, self._own_losses, self._seen_buffers = record, [], []
-        for i, micro in enumerate(batches):
-            self._micro = i
-            last = i == len(batches) - 1
-            with contextlib.nullcontext() if last else self.model.no_sync():
-                seed = forward_seed(self.config.seed, step, self.topology.rank, i)
-                with seeded(seed, self.device):
-                    loss = self.loss_fn(self.model, micro)
-                scaled = loss / len(batches) if len(batches) > 1 else loss  # x / 1 == x, bit for bit
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            if record:
-                self._own_losses.append(fingerprint(loss.detach()))
-            total = loss.detach() if i == 0 else total + loss.detach()
-        self._recording = False
-        return total / len(batches) if len(batches) > 1 else total
+    def _local_norms(self) -> torch.Tensor:
+        """``[local, reduced]`` squared gradient norms, from the comm hook (or, without DDP, the
+        gradients themselves: local and reduced are the same)."""
+        if self.recorder is not None:
+            return self.recorder.norms(self.device)
+        parts = [squared_norm(p.grad) for _, p in self.named_parameters if p.grad is not None]
+        total = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack([total, total])
 
-    def _remember_buffers(self, module: torch.nn.Module, args: Any) -> None:
-        """Forward pre-hook: the buffers this micro-batch's forward sees (after DDP's broadcast)."""
-        if self._recording and not replaying() and len(self._seen_buffers) == self._micro:
-            self._seen_buffers.append(snapshot_buffers(module))
-
-    def _own_pass(self) -> PassResult:
-        return PassResult(list(self._own_losses), self.recorder.fingerprints())
-
-    def _check_nonfinite(self, step: int, payload: Payload) -> bool:
-        """Checks 1a and 1b: one all-reduce of two scalars; the per-rank values are gathered only
-        when it finds something non-finite. Returns whether the step holds an honest GradScaler
-        overflow (see :meth:`_judge_nonfinite`)."""
+    def _check_solo(self, s: Step) -> None:
+        """One replica: only the local non-finite check can run, and it cannot be confirmed."""
         started = time.perf_counter()
-        norms = self.recorder.norms(self.device)
+        finite = bool(torch.isfinite(self._local_norms()).all())
+        self.stats.timed("nonfinite", started)
+        if not finite:
+            self._nonfinite_reproduced(s, {0: _first_nonfinite(s.losses)}, confirmed=False)
+
+    def _check_nonfinite(self, s: Step, payload: Payload) -> None:
+        """Checks 1a and 1b: one all-reduce of two scalars; the per-rank values are gathered only
+        when it finds something non-finite."""
+        started = time.perf_counter()
+        norms = self._local_norms()
         finite = all_finite(norms, self.group)  # the common case: 16 bytes, done
         self.stats.timed("nonfinite", started)
-        return False if finite else self._judge_nonfinite(step, payload, gather_norms(norms, self.group))
+        if not finite:
+            self._judge_nonfinite(s, payload, gather_norms(norms, self.group))
 
-    def _judge_nonfinite(self, step: int, payload: Payload, norms: list[list[float]]) -> bool:
-        """Raise for check 1a or 1b from every rank's ``[local, reduced]`` norms; or return True
-        when the non-finite local gradients are an honest GradScaler overflow (confirmed by
-        replaying the overflowing batches on other nodes: the scaler then skips the step)."""
+    def _judge_nonfinite(self, s: Step, payload: Payload, norms: list[list[float]]) -> bool:
+        """From every rank's ``[local, reduced]`` norms: raise for check 1a (a NaN/Inf that does
+        not reproduce on another node) or 1b; or, when every non-finite local gradient reproduces,
+        treat it as the GradScaler's overflow (the scaler skips) or the data's (raise
+        NonFiniteGradient, or skip). Returns whether the step will not be applied."""
         bad = nonfinite_local_ranks(norms)
-        if bad and self.scaler is not None:
-            self._raise_if(step, self.replayer.confirm_nonfinite(bad, payload, self._scale))
+        if not bad:
+            self._raise_if(s.step, judge_nonfinite(norms))  # 1b, or an overflowed sum of finite norms
+            return False
+        confirmation = self.replayer.confirm_nonfinite(bad, payload, self._scale)
+        self._raise_if(s.step, confirmation.verdict)
+        if self.scaler is not None:
+            s.skipped = True  # an honest overflow: the scaler skips this step
             return True
-        self._raise_if(step, judge_nonfinite(norms))
-        return False
+        self._nonfinite_reproduced(s, confirmation.reproduced, confirmed=True)
+        return True
 
-    def _audit(self, step: int, payload: Payload) -> None:
+    def _nonfinite_reproduced(self, s: Step, ranks: dict[int, int | None], confirmed: bool) -> None:
+        """A NaN/Inf that is the data's or the model's, not the hardware's: never an alarm."""
+        if self.scaler is not None:
+            s.skipped = True
+            return
+        error = NonFiniteGradient(step=s.step, ranks=ranks, confirmed=confirmed)
+        if self.config.on_nonfinite != "skip":
+            raise error
+        log.warning("%s; skipping the step (on_nonfinite=skip)", error)
+        self.nonfinite_skipped += 1
+        self.stats.timed("nonfinite_skipped", time.perf_counter())
+        for _, p in self.named_parameters:  # optimizer.step() then changes nothing
+            p.grad = None
+        s.skipped = True
+
+    def _audit(self, s: Step, payload: Payload) -> None:
         """Checks 1, 2 and 3 with one collective after the backward pass, besides the batch
         transfer between ring neighbours: this rank's batch leaves for its replayer with the
         digest of its own pass, the weights are fingerprinted while it travels (before the
@@ -232,34 +354,40 @@ class Guard:
         its replay matched. Only when not is everything gathered and judged in the SPEC's order —
         non-finite gradients, then weights, then replays — so that neither a NaN nor a weight
         fault is taken for a compute fault."""
+        step = s.step
         started = time.perf_counter()
-        norms = self.recorder.norms(self.device)
+        norms = self._local_norms()
         finite = bool(torch.isfinite(norms).all())
         self.stats.timed("nonfinite", started)
         started = time.perf_counter()
-        own = self._own_pass()
+        own = PassResult(list(s.loss_fps), self.recorder.fingerprints())
         own_digest = own.digest()
         incoming = self.replayer.post_batch(serialize(payload), own_digest)
         weights_started = time.perf_counter()
         weights = fingerprint_weights(self.named_parameters)
         self.stats.timed("weights", weights_started)
         started += time.perf_counter() - weights_started  # the replay's time leaves the weights' out
-        with deterministic(True):
-            replayed, failure = self._replay_neighbour(incoming)
-            replay_digest = replayed.digest() if replayed is not None else bytes(DIGEST_BYTES)
-            matched = failure is None and replay_digest == incoming.note
-            if agree(weights.digest, self.device, self.group, veto=not (finite and matched)):
-                self._weights_verified(step, weights)
-                verdict = None
-            elif self._judge_nonfinite(step, payload, gather_norms(norms, self.group)):
-                verdict = None  # an honest overflow: the scaler skips this step
-            else:
-                digests = gather_digests([weights.digest, own_digest, replay_digest], self.device, self.group)
-                self._raise_if(step, self._judge_weights(step, weights, [d[0] for d in digests]))
-                self._raise_if_replays_failed(step, failure)
-                verdict = self.replayer.judge(own, replayed, [d[1:] for d in digests], payload, self._scale)
+        replayed, failure = self._replay_neighbour(incoming)
+        replay_digest = replayed.digest() if replayed is not None else bytes(DIGEST_BYTES)
+        matched = failure is None and replay_digest == incoming.note
+        if agree(weights.digest, self.device, self.group, veto=not (finite and matched)):
+            self._weights_verified(step - 1, weights)  # the weights before this step's update
+            self._audited(step)
+            verdict = None
+        elif self._judge_nonfinite(s, payload, gather_norms(norms, self.group)):
+            verdict = None  # an honest overflow (the scaler skips it) or a skipped step
+        else:
+            digests = gather_digests([weights.digest, own_digest, replay_digest], self.device, self.group)
+            self._raise_if(step, self._judge_weights(step - 1, weights, [d[0] for d in digests]))
+            self._raise_if_replays_failed(step, failure)
+            verdict = self.replayer.judge(own, replayed, [d[1:] for d in digests], payload, self._scale)
+            if verdict is None:
+                self._audited(step)
         self.stats.timed("replay", started)
         self._raise_if(step, verdict)
+
+    def _audited(self, step: int) -> None:
+        self.history.last_audited_step = step
 
     def _replay_neighbour(self, incoming: Incoming) -> tuple[PassResult | None, Exception | None]:
         """Receive and replay the neighbour's batch. An exception is kept, not raised: this rank
@@ -282,18 +410,20 @@ class Guard:
     def _scale(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         return self.scaler.scale if self.scaler is not None else None
 
-    def _apply_update(self) -> None:
-        if self.scaler is None:
-            self.optimizer.step()
+    def _remember_buffers(self, module: torch.nn.Module, args: Any) -> None:
+        """Forward pre-hook: the buffers this micro-batch's forward sees (after DDP's broadcast),
+        recorded where a replay may need them (audit steps; every step with a GradScaler)."""
+        s = self._recording
+        if s is None or replaying() or not (s.audit or self.scaler is not None):
             return
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        if len(s.buffers) == len(s.batches):
+            s.buffers.append(snapshot_buffers(module))
 
     def weights_verdict(self, step: int) -> Verdict | None:
-        """Check 3; on success remember the step and digest the weights were verified at."""
+        """Check 3 on the weights after ``step``'s update; on success remember the step and digest."""
         started = time.perf_counter()
         mine = fingerprint_weights(self.named_parameters)
-        if agree(mine.digest, self.device, self.group):  # the common case: 16 bytes, done
+        if self.solo or agree(mine.digest, self.device, self.group):  # the common case: 16 bytes
             self._weights_verified(step, mine)
             verdict = None
         else:
@@ -309,8 +439,9 @@ class Guard:
         return verdict
 
     def _weights_verified(self, step: int, mine: WeightCheck) -> None:
-        """Every replica's weights matched this rank's ``mine`` at ``step``."""
-        self.last_weights_verified_step = step
+        """Every replica held this rank's weights ``mine`` after ``step``'s update."""
+        if self.history.last_weights_verified_step is None or step > self.history.last_weights_verified_step:
+            self.history.last_weights_verified_step = step
         self.last_weights_digest = mine.digest.hex()
 
     # -- alarms --------------------------------------------------------------------------------
@@ -324,7 +455,7 @@ class Guard:
         self.alarms_raised += 1
         topo = self.topology
         reporter = topo.reporter(verdict.suspects)
-        window = self._suspect_window(step, verdict)
+        fields = recovery.recovery_fields(verdict.check, step, self.history)
         record = make_alarm(
             alarm_id=f"{topo.run_id}-{self.alarms_raised}-{verdict.check}-step{step}",
             job=self.config.job,
@@ -335,9 +466,7 @@ class Guard:
             ambiguous=verdict.ambiguous,
             reporter_rank=reporter,
             evidence=verdict.evidence,
-            last_verified_step=self.last_verified_step,
-            last_good_checkpoint=self._checkpoint_before(window["first_step"]),
-            suspect_window=window,
+            **fields,
         )
         if topo.rank == reporter:
             log.error("sdcguard alarm: %s", SDCDetected(alarm=record))
@@ -347,18 +476,38 @@ class Guard:
         self.stats.flush(self.config.spool, force=True)
         return record
 
-    def _suspect_window(self, step: int, verdict: Verdict) -> dict[str, int]:
-        """Steps whose results the fault may have touched: weights since their last check."""
-        if verdict.check == CHECK_WEIGHTS:
-            first = 0 if self.last_weights_verified_step is None else self.last_weights_verified_step + 1
-            return {"first_step": min(first, step), "last_step": step}
-        return {"first_step": step, "last_step": step}
+    def _log_configuration(self) -> None:
+        if self.topology.rank != 0:
+            return
+        cfg, topo = self.config, self.topology
+        if self.solo:
+            log.warning("sdcguard: a single replica: only the local non-finite check runs (no replay audit, "
+                        "no weight comparison), and a NaN/Inf cannot be confirmed as the hardware's")
+        log.info("sdcguard: %d ranks, %d per node, audit every %s, weight check every %s, spool %s",
+                 topo.world_size, topo.ranks_per_node, cfg.audit_every or "never",
+                 cfg.weight_check_every or "never", cfg.spool or "(none)")
+        if cfg.checkpoint_every and not self.solo and not cfg.audit_checkpoints and (
+                not cfg.audit_every or cfg.checkpoint_every % cfg.audit_every):
+            log.warning("sdcguard: checkpoints every %d steps are not all audit steps (audit every %s): an "
+                        "alarm may name an older checkpoint than the newest; set audit_checkpoints=True",
+                        cfg.checkpoint_every, cfg.audit_every or "never")
 
 
-    def _checkpoint_before(self, step: int) -> str | None:
-        """The newest verified checkpoint written before ``step``."""
-        older = [path for at, path in self.checkpoints if at < step]
-        return older[-1] if older else None
+def unwrap(model: torch.nn.Module) -> tuple[DistributedDataParallel | None, torch.nn.Module, bool]:
+    """(the DDP wrapper or None, the bare module, whether torch.compile is involved) of
+    DDP, ``torch.compile(ddp)``, ``DDP(torch.compile(module))`` or a plain module."""
+    ddp, compiled, m = None, False, model
+    while True:
+        if isinstance(m, DistributedDataParallel):
+            ddp, m = m, m.module
+        elif isinstance(getattr(m, "_orig_mod", None), torch.nn.Module):  # torch.compile's wrapper
+            compiled, m = True, m._orig_mod
+        else:
+            return ddp, m, compiled
+
+
+def _first_nonfinite(losses: list[torch.Tensor]) -> int | None:
+    return next((i for i, loss in enumerate(losses) if not bool(torch.isfinite(loss).all())), None)
 
 
 def _as_micro_batches(batch: Any, micro_batches: Sequence[Any] | None) -> Sequence[Any]:
@@ -376,3 +525,22 @@ def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _param_device(module: torch.nn.Module) -> torch.device:
+    first = next(module.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _solo_topology(config: Config) -> Topology:
+    identity = {"rank": 0, "pod": config.pod, "node": config.node}
+    return Topology(0, 1, 1, {0: identity}, run_id=uuid.uuid4().hex[:12], threads={0: torch.get_num_threads()})
+
+
+def _close_at_exit(ref: "weakref.ref[Guard]") -> None:
+    guard = ref()
+    if guard is not None:
+        try:
+            guard.close()
+        except Exception:  # noqa: BLE001 - the interpreter is going away; never fail its exit
+            pass

@@ -16,10 +16,27 @@ def test_from_env_reads_every_setting():
     assert cfg.job == {"kind": "PyTorchJob", "name": "llm", "namespace": "ml"}
 
 
-def test_arguments_win_over_the_environment():
+def test_the_environment_wins_over_the_scripts_defaults():
+    # the job's annotations reach the pod as SDCGUARD_* variables: they beat what the script passes
     cfg = Config.from_env({"SDCGUARD_AUDIT_EVERY": "50", "SDCGUARD_RANKS_PER_NODE": "4", "LOCAL_WORLD_SIZE": "8"},
-                          audit_every=7)
-    assert cfg.audit_every == 7 and cfg.ranks_per_node == 4
+                          audit_every=7, weight_check_every=3)
+    assert cfg.audit_every == 50 and cfg.ranks_per_node == 4
+    assert cfg.weight_check_every == 3  # not set by the platform: the script's default holds
+
+
+def test_a_scripts_default_beats_local_world_size_only():
+    cfg = Config.from_env({"LOCAL_WORLD_SIZE": "8"}, ranks_per_node=2)
+    assert cfg.ranks_per_node == 2
+
+
+def test_an_explicit_config_is_explicit(monkeypatch):
+    monkeypatch.setenv("SDCGUARD_AUDIT_EVERY", "50")
+    assert Config(audit_every=7).audit_every == 7
+
+
+def test_on_nonfinite_is_checked():
+    with pytest.raises(ValueError, match="on_nonfinite must be one of"):
+        Config(on_nonfinite="ignore")
 
 
 def test_outside_kubernetes_identity_is_null():

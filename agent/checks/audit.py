@@ -4,17 +4,13 @@ Every rank ``r`` replays the local batch of ``t = r + R (mod W)`` (same local in
 and compares with what ``t`` computed. The digest of ``t``'s own pass travels to ``r`` with the
 batch, so ``r`` compares locally and the ring agrees in one 16-byte all-reduce (see
 ``exchange.agree``); only then, on a mismatch, are every rank's two digests — own pass, replay —
-gathered, and details only from the ranks involved. Nothing grows with the model. On a mismatch:
-  - a rank in two mismatching pairs (its own batch replayed differently, and its replay of
-    another's batch different) is the suspect: a persistent fault;
-  - a single mismatching pair is settled by a tie-break replay on a third node: the side that
-    disagrees with the third opinion is the suspect: a transient fault;
-  - with fewer than three nodes there is no third opinion: both sides, ``ambiguous``.
+gathered, and details only from the ranks involved. Nothing grows with the model. Who is named
+on a mismatch is decided by the pure rules in ``attribution``; this module runs the replays and
+the tie-breaks they ask for.
 """
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -22,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..contract.alarm import CHECK_NONFINITE_LOCAL, CHECK_REPLAY
+from .attribution import NEITHER, attribute, mismatching_pairs, settle, suspects_after
 from .exchange import Incoming, broadcast_digest, gather_objects, gather_tensor, ring_exchange, ring_post
 from .replay import PassResult, Payload, replay
 from .topology import Topology
@@ -60,42 +57,21 @@ class Replayer:
         """The ring's verdict from every rank's ``[own pass, replay]`` digests; None when every
         replay matched its original bit for bit. Every rank calls it and reaches the same one."""
         topo, me = self.topology, self.topology.rank
-        pairs = [(r, topo.replay_target(r)) for r in range(topo.world_size)
-                 if digests[r][1] != digests[topo.replay_target(r)][0]]
+        pairs = mismatching_pairs(digests, topo.replay_target)
         if not pairs:
             return None
         involved = {x for pair in pairs for x in pair}
         details = gather_objects((own, mine) if me in involved else None, self.group)
-        suspects, ambiguous, tiebreaks = self._attribute(pairs, digests, payload, scale)
+        found = attribute(pairs, topo.units)
+        suspects, ambiguous, tiebreaks = set(found.suspects), found.ambiguous, []
+        for replayer, owner in found.tiebreaks:
+            third = topo.replay_target(owner)
+            agrees = settle(digests[owner][0], digests[replayer][1], self._tiebreak(owner, third, payload, scale))
+            suspects |= suspects_after(agrees, replayer, owner)
+            ambiguous |= agrees == NEITHER
+            tiebreaks.append({"replayer": replayer, "owner": owner, "third": third, "agrees_with": agrees})
         evidence = {"pairs": [self._describe_pair(r, t, details) for r, t in pairs], "tiebreaks": tiebreaks}
         return Verdict(CHECK_REPLAY, suspects=sorted(suspects), ambiguous=ambiguous, evidence=evidence)
-
-    def _attribute(self, pairs: list[tuple[int, int]], digests: list[list[bytes]], payload: Payload,
-                   scale: Callable[[torch.Tensor], torch.Tensor] | None) -> tuple[set[int], bool, list[dict[str, Any]]]:
-        """Name suspects from the mismatching (replayer, owner) pairs; identical on every rank."""
-        topo = self.topology
-        if topo.units < 3:
-            return {x for pair in pairs for x in pair}, True, []
-        counts = Counter(x for pair in pairs for x in pair)
-        suspects = {x for x, c in counts.items() if c >= 2}
-        ambiguous = False
-        tiebreaks = []
-        for replayer, owner in pairs:
-            if replayer in suspects or owner in suspects:
-                continue
-            third = topo.replay_target(owner)
-            opinion = self._tiebreak(owner, third, payload, scale)
-            if opinion == digests[owner][0]:
-                suspects.add(replayer)
-                agrees = "owner"
-            elif opinion == digests[replayer][1]:
-                suspects.add(owner)
-                agrees = "replayer"
-            else:
-                suspects.update((replayer, owner))
-                ambiguous, agrees = True, "neither"
-            tiebreaks.append({"replayer": replayer, "owner": owner, "third": third, "agrees_with": agrees})
-        return suspects, ambiguous, tiebreaks
 
     def _tiebreak(self, owner: int, third: int, payload: Payload,
                   scale: Callable[[torch.Tensor], torch.Tensor] | None) -> bytes:
@@ -117,27 +93,46 @@ class Replayer:
             "differing_parameters": parameter_summary(differing),
         }
 
-    # -- mixed precision -----------------------------------------------------------------------
+    # -- non-finite confirmation -----------------------------------------------------------------
 
     def confirm_nonfinite(self, bad: list[int], payload: Payload,
-                          scale: Callable[[torch.Tensor], torch.Tensor] | None) -> Verdict | None:
-        """With a GradScaler a non-finite local gradient may be an honest overflow: replay each
-        such rank's batch on another node (all at once). An overflow reproduces; SDC does not."""
+                          scale: Callable[[torch.Tensor], torch.Tensor] | None) -> Confirmation:
+        """Replay each rank's batch whose local gradient was not finite on another node (all at
+        once): a NaN/Inf that reproduces comes from the data, the model or an honest GradScaler
+        overflow; one that does not is silent data corruption. Every rank gets the same answer."""
         topo, me = self.topology, self.topology.rank
         target = topo.replay_target(me)
         theirs = ring_exchange(payload if me in bad else None,
                                send_to=topo.replayer_of(me) if me in bad else None,
                                recv_from=target if target in bad else None,
                                device=self.device, group=self.group)
-        norm = self.run(theirs, scale, with_norm=True).grad_sq_norm if theirs is not None else 0.0
-        norms = torch.tensor([norm], dtype=torch.float64, device=self.device)
-        parts = gather_tensor(norms, self.group, "norms")
-        replayed = {b: float(parts[topo.replayer_of(b)]) for b in bad}
-        unexplained = [b for b in bad if math.isfinite(replayed[b])]
-        if not unexplained:
-            return None
-        return Verdict(CHECK_NONFINITE_LOCAL, suspects=unexplained, evidence={
-            "non_finite_ranks": bad,
-            "confirmation": {b: {"replayed_on": topo.replayer_of(b), "replay_grad_sq_norm": replayed[b],
-                                 "reproduced": b not in unexplained} for b in bad},
-        })
+        result = self.run(theirs, scale, with_norm=True) if theirs is not None else None
+        row = [0.0, -1.0] if result is None else [
+            result.grad_sq_norm, -1.0 if result.nonfinite_micro is None else float(result.nonfinite_micro)]
+        parts = gather_tensor(torch.tensor(row, dtype=torch.float64, device=self.device), self.group, "norms")
+        replayed = {b: parts[topo.replayer_of(b)].tolist() for b in bad}
+        return judge_confirmation(bad, {b: (v[0], None if v[1] < 0 else int(v[1])) for b, v in replayed.items()},
+                                  {b: topo.replayer_of(b) for b in bad})
+
+
+@dataclass(frozen=True, slots=True)
+class Confirmation:
+    """What replaying the non-finite ranks' batches elsewhere showed."""
+
+    reproduced: dict[int, int | None]
+    """rank -> the micro-batch that went non-finite in the replay too (the data or model's doing)."""
+    verdict: Verdict | None
+    """``nonfinite-local`` naming the ranks whose NaN/Inf did not reproduce, else None."""
+
+
+def judge_confirmation(bad: list[int], replayed: dict[int, tuple[float, int | None]],
+                       replayed_on: dict[int, int]) -> Confirmation:
+    """Pure: ``replayed[rank] = (replay's squared gradient norm, first non-finite micro-batch)``."""
+    unexplained = [b for b in bad if math.isfinite(replayed[b][0])]
+    reproduced = {b: replayed[b][1] for b in bad if b not in unexplained}
+    verdict = None if not unexplained else Verdict(CHECK_NONFINITE_LOCAL, suspects=unexplained, evidence={
+        "non_finite_ranks": bad,
+        "confirmation": {b: {"replayed_on": replayed_on[b], "replay_grad_sq_norm": replayed[b][0],
+                             "reproduced": b not in unexplained} for b in bad},
+    })
+    return Confirmation(reproduced, verdict)

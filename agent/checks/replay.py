@@ -36,6 +36,18 @@ def _replay_mode() -> Iterator[None]:
         _state["replaying"] = previous
 
 
+@dataclass(frozen=True, slots=True)
+class Weighting:
+    """``loss * value`` or ``loss / value`` — recorded as the user wrote it, because the two round
+    differently and a replay must reproduce the bits."""
+
+    op: str  # "mul" or "div"
+    value: float
+
+    def apply(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.value if self.op == "mul" else loss / self.value
+
+
 @dataclass(slots=True)
 class Payload:
     """What a rank sends so another can redo its step: batches and the buffers each forward saw."""
@@ -44,6 +56,8 @@ class Payload:
     owner: int
     micro_batches: Sequence[Any]
     buffers: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    weighting: list[Weighting | None] = field(default_factory=list)
+    """How each micro-batch's loss was weighted before its backward (None or empty: not at all)."""
 
 
 @dataclass(slots=True)
@@ -53,7 +67,10 @@ class PassResult:
     loss_fps: list[Fingerprint]
     grad_fps: dict[int, Fingerprint]
     grad_sq_norm: float | None = None
-    """Only where asked for (GradScaler confirmation: is the replayed gradient finite?)."""
+    """Only where asked for (non-finite confirmation: is the replayed gradient finite?)."""
+    nonfinite_micro: int | None = None
+    """With ``grad_sq_norm``: the first micro-batch after which the loss or the accumulated
+    gradient was no longer finite."""
 
     def digest(self) -> bytes:
         h = hashlib.blake2b(digest_size=16)
@@ -80,7 +97,7 @@ def replay(
     saved = snapshot_buffers(module)
     grads: dict[int, torch.Tensor] = {}
     losses: list[Fingerprint] = []
-    count = len(payload.micro_batches)
+    nonfinite_micro = None
     try:
         with _replay_mode():
             for i, micro in enumerate(payload.micro_batches):
@@ -88,7 +105,8 @@ def replay(
                     load_buffers(module, payload.buffers[i])
                 with seeded(forward_seed(seed, payload.step, payload.owner, i), device):
                     loss = loss_fn(module, micro)
-                scaled = loss / count
+                weighting = payload.weighting[i] if payload.weighting else None
+                scaled = weighting.apply(loss) if weighting is not None else loss
                 if scale is not None:
                     scaled = scale(scaled)
                 parts = torch.autograd.grad(scaled, [p for _, p in params], allow_unused=True)
@@ -96,9 +114,18 @@ def replay(
                     if part is not None:  # accumulate as AccumulateGrad does: g0, then g0 + g1, ...
                         grads[index] = part if index not in grads else grads[index] + part
                 losses.append(fingerprint(loss.detach()))
+                if with_norm and nonfinite_micro is None and not _finite(loss, grads.values()):
+                    nonfinite_micro = i
     finally:
         load_buffers(module, saved)
-    return _result(params, grads, losses, with_norm)
+    result = _result(params, grads, losses, with_norm)
+    result.nonfinite_micro = nonfinite_micro
+    return result
+
+
+def _finite(loss: torch.Tensor, grads: Any) -> bool:
+    parts = [squared_norm(g) for g in grads]
+    return bool(torch.isfinite(loss).all()) and (not parts or bool(torch.isfinite(torch.stack(parts).sum())))
 
 
 def snapshot_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:

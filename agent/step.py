@@ -1,0 +1,146 @@
+"""One checked optimizer step in the user's own loop.
+
+    with guard.step(step, micro_batches=len(batches)) as s:  # decides the audit, seeds forwards
+        for micro in batches:
+            loss = s.backward(micro, divide_by=len(batches))  # loss_fn + backward, recorded
+        s.check()                                    # checks 1 and 2 (3 on audits): raise on every rank
+        scaler.unscale_(optimizer); clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer); scaler.update(); scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    # leaving the block runs check 3 on weight-check steps
+
+The user keeps the backward weighting, clipping, the optimizer and scaler calls, the scheduler and
+``zero_grad``. The step records what a replay needs (the micro-batches, each loss's weighting, the
+forward RNG seed, the buffers each forward saw). An optimizer step taken before ``check()`` passed
+is refused with :class:`~sdcguard.errors.UncheckedUpdate` (the Guard holds a step pre-hook on the
+optimizer), never silently unchecked.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+from .checks.determinism import deterministic
+from .checks.replay import Payload, Weighting
+from .checks.rng import forward_seed, seeded
+from .fingerprint import Fingerprint, fingerprint
+
+if TYPE_CHECKING:
+    from .guard import Guard
+
+
+class Step:
+    """What one step has done so far; made by :meth:`Guard.step`, used as a context manager."""
+
+    __slots__ = ("guard", "step", "audit", "micro_batches", "batches", "weighting", "loss_fps",
+                 "buffers", "losses", "checked", "skipped")
+
+    def __init__(self, guard: Guard, step: int, micro_batches: int, audit: bool) -> None:
+        if not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
+        self.guard = guard
+        self.step = step
+        self.audit = audit
+        """Whether check 2 (ring replay) runs on this step."""
+        self.micro_batches = micro_batches
+        # What a replay needs, per micro-batch.
+        self.batches: list[Any] = []
+        self.weighting: list[Weighting | None] = []
+        self.loss_fps: list[Fingerprint] = []
+        self.buffers: list[dict[str, torch.Tensor]] = []
+        self.losses: list[torch.Tensor] = []
+        self.checked = False
+        """``check()`` passed: the update may be applied."""
+        self.skipped = False
+        """The update of this step will not be applied: an honest GradScaler overflow (the scaler
+        skips it), or a reproduced NaN/Inf with ``on_nonfinite="skip"`` (the gradients were
+        dropped, so ``optimizer.step()`` changes nothing)."""
+
+    # -- the user's verbs ----------------------------------------------------------------------
+
+    def backward(self, micro: Any, *, weight: float | None = None, divide_by: float | None = None) -> torch.Tensor:
+        """Forward (``loss_fn(model, micro)``) and backward of one micro-batch; returns its loss,
+        unweighted and detached.
+
+        The backward runs on ``loss * weight`` or ``loss / divide_by`` (as your loop wrote it: the
+        two round differently), scaled by the GradScaler when one is enabled. DDP reduces the
+        gradients on the last of the ``micro_batches`` declared to :meth:`Guard.step`."""
+        if self.checked:
+            raise RuntimeError(f"sdcguard: step {self.step}: backward() after check(): start a new guard.step()")
+        index = len(self.batches)
+        if index >= self.micro_batches:
+            raise RuntimeError(f"sdcguard: step {self.step} was declared with micro_batches={self.micro_batches}; "
+                               f"backward() was called a {index + 1}th time")
+        if weight is not None and divide_by is not None:
+            raise ValueError("backward takes weight= or divide_by=, not both")
+        weighting = Weighting("div", divide_by) if divide_by is not None else (
+            Weighting("mul", weight) if weight is not None else None)
+        guard = self.guard
+        last = index == self.micro_batches - 1
+        sync = contextlib.nullcontext() if last or guard.ddp is None else guard.ddp.no_sync()
+        with sync, self._exact():
+            guard._recording = self
+            try:
+                with seeded(forward_seed(guard.config.seed, self.step, guard.topology.rank, index), guard.device):
+                    loss = guard.loss_fn(guard.model, micro)
+            finally:
+                guard._recording = None
+            scaled = weighting.apply(loss) if weighting is not None else loss
+            (guard.scaler.scale(scaled) if guard.scaler is not None else scaled).backward()
+        self.batches.append(micro)
+        self.weighting.append(weighting)
+        if self.audit:
+            self.loss_fps.append(fingerprint(loss.detach()))
+        self.losses.append(loss.detach())
+        return loss.detach()
+
+    def check(self) -> None:
+        """Checks 1a/1b, and on audit steps 2 and 3 (before the update): raise on every rank
+        alike, or allow this step's optimizer update."""
+        if self.checked:
+            return
+        if len(self.batches) != self.micro_batches:
+            raise RuntimeError(f"sdcguard: step {self.step} was declared with micro_batches={self.micro_batches} "
+                               f"but ran {len(self.batches)} backward()")
+        with self._exact():
+            self.guard._check(self)
+        self.checked = True
+        self.guard._update_allowed = True
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """The mean of the micro-batch losses (unweighted, detached)."""
+        if not self.losses:
+            raise RuntimeError("no backward() has run in this step yet")
+        total = self.losses[0]
+        for more in self.losses[1:]:
+            total = total + more
+        return total / len(self.losses) if len(self.losses) > 1 else total
+
+    def payload(self) -> Payload:
+        """What another rank needs to redo this rank's step."""
+        return Payload(self.step, self.guard.topology.rank, list(self.batches), list(self.buffers),
+                       list(self.weighting))
+
+    # -- the context ---------------------------------------------------------------------------
+
+    def __enter__(self) -> Step:
+        self.guard._begin(self)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        self.guard._end(self, failed=exc_type is not None)
+        return False
+
+    @contextlib.contextmanager
+    def _exact(self) -> Iterator[None]:
+        """On audit steps: deterministic kernels, and compiled code run eagerly (the replay runs
+        the bare module eagerly; the two must produce the same bits)."""
+        if not self.audit:
+            yield
+            return
+        stance = torch.compiler.set_stance("force_eager") if self.guard.compiled else contextlib.nullcontext()
+        with deterministic(True), stance:
+            yield
