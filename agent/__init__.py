@@ -12,15 +12,17 @@ from .config import Config
 
 __version__ = "0.1.0"
 __all__ = [
-    "Guard", "Config", "SDCDetected", "ReplayError", "ConfigurationError", "fingerprint", "fingerprint_many", "forward_seed", "replaying",
-    "load_checkpoint", "CheckpointError", "SCHEMA", "AlarmError", "__version__",
+    "Guard", "Step", "Config", "SDCDetected", "NonFiniteGradient", "UncheckedUpdate", "ReplayError",
+    "ConfigurationError", "fingerprint", "fingerprint_many", "forward_seed", "replaying",
+    "load_checkpoint", "verify_checkpoint", "CheckpointError", "SCHEMA", "AlarmError", "__version__",
 ]
 
 _LAZY = {
-    "Guard": "guard", "SDCDetected": "errors", "ReplayError": "errors", "ConfigurationError": "errors",
+    "Guard": "guard", "Step": "step", "SDCDetected": "errors", "ReplayError": "errors",
+    "ConfigurationError": "errors", "NonFiniteGradient": "errors", "UncheckedUpdate": "errors",
     "fingerprint": "fingerprint", "fingerprint_many": "fingerprint", "forward_seed": "checks.rng",
     "replaying": "checks.replay",
-    "load_checkpoint": "checkpoint", "CheckpointError": "checkpoint",
+    "load_checkpoint": "checkpoint", "verify_checkpoint": "checkpoint", "CheckpointError": "checkpoint",
 }
 
 

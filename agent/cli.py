@@ -1,9 +1,10 @@
-"""The ``sdcguard`` command: ``drill``, ``sidecar`` and ``operator``."""
+"""The ``sdcguard`` command: ``drill``, ``verify-checkpoint``, ``sidecar`` and ``operator``."""
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 from .drill import launch as drill
 
@@ -21,10 +22,34 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sdcguard", description="silent-data-corruption detection for PyTorch training")
     sub = parser.add_subparsers(dest="command", required=True)
     drill.add_arguments(sub.add_parser("drill", help="run a fault-injection drill (multi-process DDP)"))
+    verify = sub.add_parser("verify-checkpoint", help="check a checkpoint against its manifest (exit 0 good, 1 mismatch, 2 bad input)")
+    verify.add_argument("path", type=Path, help="the checkpoint file (its manifest is PATH.sdcguard.json)")
     for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     args = parser.parse_args(argv)
+    if args.command == "verify-checkpoint":
+        return _verify_checkpoint(args.path)
     return _drill(args)
+
+
+def _verify_checkpoint(path: Path) -> int:
+    """For the person deciding where to resume: no process group, no model needed."""
+    if not path.is_file():
+        print(f"sdcguard verify-checkpoint: error: {path} is not a file", file=sys.stderr)
+        return 2
+    from .checkpoint import CheckpointError, manifest_path, verify_checkpoint
+    if not manifest_path(path).is_file():
+        print(f"sdcguard verify-checkpoint: error: {path} has no manifest {manifest_path(path).name}", file=sys.stderr)
+        return 2
+    try:
+        found = verify_checkpoint(path)
+    except CheckpointError as exc:
+        print(f"MISMATCH {exc}")
+        return 1
+    audited = ("on an audited step" if found.audited else
+               f"covered by the audit at step {found.audited_step}" if found.audited_step is not None else "not covered by any audit")
+    print(f"OK {found.path}: step {found.step}, {found.parameters} parameters, weight digest {found.weight_digest}, {audited}")
+    return 0
 
 
 def _drill(args: argparse.Namespace) -> int:

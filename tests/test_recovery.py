@@ -1,0 +1,69 @@
+"""Suspect windows and the last good checkpoint (sdcguard.recovery), without processes."""
+import pytest
+
+from sdcguard.recovery import Checkpoint, History, last_good_checkpoint, recovery_fields, suspect_window
+
+
+def history(**kw):
+    kw.setdefault("checkpoints", [Checkpoint(s, f"step-{s}.pt", None) for s in (2, 4, 6, 8)])
+    return History(**kw)
+
+
+def test_replay_window_reaches_back_to_the_last_passing_audit():
+    # audits every 5, checkpoints every 2, grad-bitflip at 10: audit 5 passed, 10 fired
+    h = history(last_audited_step=5, last_weights_verified_step=9)
+    fields = recovery_fields("replay", 10, h)
+    assert fields["suspect_window"] == {"first_step": 6, "last_step": 10}
+    assert fields["last_good_checkpoint"] == "step-4.pt"  # never step-8.pt, inside the window
+    assert fields["last_good_checkpoint_step"] == 4 and fields["steps_at_risk"] == 6
+    assert fields["last_verified_step"] == 5 and fields["last_audited_step"] == 5
+
+
+def test_persistent_fault_between_audits():
+    # audits every 8, checkpoints every 3; the fault starts at 10 and is caught by the audit at 16
+    h = History(last_audited_step=8, checkpoints=[Checkpoint(s, f"step-{s}.pt", None) for s in (3, 6, 9, 12, 15)])
+    fields = recovery_fields("replay", 16, h)
+    assert fields["suspect_window"] == {"first_step": 9, "last_step": 16}
+    assert fields["last_good_checkpoint"] == "step-6.pt"
+
+
+def test_weights_window_starts_after_the_last_weights_check():
+    h = history(last_audited_step=0, last_weights_verified_step=4)
+    assert suspect_window("weights", 6, h) == {"first_step": 5, "last_step": 6}
+    assert last_good_checkpoint(suspect_window("weights", 6, h), h).path == "step-4.pt"
+
+
+def test_nonfinite_local_is_treated_as_a_compute_fault():
+    h = history(last_audited_step=3, last_weights_verified_step=7)
+    assert suspect_window("nonfinite-local", 8, h) == {"first_step": 4, "last_step": 8}
+
+
+def test_nonfinite_reduced_clears_nothing_this_run_computed():
+    h = history(last_audited_step=7, last_weights_verified_step=7, start_step=5)
+    assert suspect_window("nonfinite-reduced", 8, h) == {"first_step": 5, "last_step": 8}
+
+
+@pytest.mark.parametrize("check", ["replay", "weights", "nonfinite-local", "nonfinite-reduced", "a-future-check"])
+def test_without_any_verification_the_window_is_the_whole_run(check):
+    h = History(start_step=0)
+    fields = recovery_fields(check, 4, h)
+    assert fields["suspect_window"] == {"first_step": 0, "last_step": 4}
+    assert fields["last_good_checkpoint"] is None and fields["steps_at_risk"] == 5
+
+
+def test_a_resumed_run_never_reaches_back_before_its_start():
+    h = History(start_step=9, last_audited_step=5, checkpoints=[Checkpoint(8, "step-8.pt", 5)])
+    fields = recovery_fields("replay", 12, h)
+    assert fields["suspect_window"] == {"first_step": 9, "last_step": 12}
+    assert fields["last_good_checkpoint"] == "step-8.pt"
+
+
+def test_an_alarm_on_the_step_after_an_audit_window_is_that_step():
+    h = history(last_audited_step=10)
+    assert suspect_window("replay", 11, h) == {"first_step": 11, "last_step": 11}
+
+
+def test_last_verified_step_is_the_last_audit_else_the_last_weights_check():
+    assert History(last_audited_step=5, last_weights_verified_step=9).last_verified_step == 5
+    assert History(last_weights_verified_step=9).last_verified_step == 9
+    assert History().last_verified_step is None
