@@ -11,7 +11,13 @@ Six scenarios share one launch, each writing what it saw to OUT/<scenario>-rank<
   replay_fails  rank 1's loss_fn raises while it replays rank 2's batch: every rank raises the
              same ReplayError (none hangs in the audit's agreement), and the step is not applied;
   exchange   the agreement all-reduce (equal digests, one differing, one veto, digests that differ
-             only past the bits it compares) and the ring transfer with its note.
+             only past the bits it compares) and the ring transfer with its note;
+  step_api   the user's own loop through guard.step (weight= accumulation, clipping, a scheduler,
+             audits and weight checks on every step) against the same loop on plain DDP, bit for bit;
+  data_inf   no GradScaler: one rank's batch makes an Inf loss wherever it is computed: the replay
+             reproduces it, NonFiniteGradient on every rank, no alarm, nobody named;
+  compiled   torch.compile(ddp) and DDP(torch.compile(module)) under audits on every step: no false
+             alarm, and the same weights as the eager run.
 """
 import contextlib
 import json
@@ -229,12 +235,87 @@ def exchange(rank, out):
     }
 
 
+def step_api_run(rank, guarded):
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    guard = sdcguard.Guard(ddp, opt, classify, config=Config(audit_every=1, weight_check_every=1)) if guarded else None
+    for step in range(STEPS):
+        micro = [batch(step, rank, i) for i in range(MICRO)]
+        if guarded:
+            with guard.step(step, micro_batches=MICRO) as s:
+                for m in micro:
+                    s.backward(m, weight=1 / MICRO)
+                s.check()
+                torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)
+                opt.step(); sched.step(); opt.zero_grad(set_to_none=True)
+            continue
+        for i, m in enumerate(micro):
+            with ddp.no_sync() if i < MICRO - 1 else contextlib.nullcontext():
+                with seeded(forward_seed(0, step, rank, i), torch.device("cpu")):
+                    loss = classify(ddp, m)
+                (loss * (1 / MICRO)).backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)
+        opt.step(); sched.step(); opt.zero_grad(set_to_none=True)
+    return state_digest(model, opt), (guard.alarms_raised if guard else 0)
+
+
+def step_api(rank, out):
+    plain, _ = step_api_run(rank, guarded=False)
+    guarded, alarms = step_api_run(rank, guarded=True)
+    return {"plain": plain, "guarded": guarded, "alarms": alarms}
+
+
+def data_inf(rank, out):
+    spool = os.path.join(out, "data_inf_spool")
+    model = Scaled()
+    ddp = DistributedDataParallel(model)
+    guard = sdcguard.Guard(ddp, torch.optim.SGD(model.parameters(), lr=0.5), lambda m, c: m(c),
+                           config=Config(audit_every=0, weight_check_every=1, spool=spool, ranks_per_node=1))
+    c = torch.ones(4, dtype=torch.float64) * (float("inf") if rank == 1 else 1.0)
+    try:
+        guard.train_step(0, micro_batches=[torch.ones(4, dtype=torch.float64), c])
+        seen = {"error": None}
+    except sdcguard.NonFiniteGradient as exc:
+        seen = {"error": str(exc), "ranks": exc.ranks, "confirmed": exc.confirmed, "step": exc.step}
+    except sdcguard.SDCDetected as exc:
+        seen = {"error": "alarm", "alarm": exc.alarm}
+    seen["applied"] = bool((model.w != 0).any())
+    seen["alarm_files"] = sorted(os.listdir(spool)) if os.path.isdir(spool) else []
+    return seen
+
+
+def compiled(rank, out):
+    results = {}
+    for form in ("eager", "compile(ddp)", "ddp(compile)"):
+        torch.manual_seed(0)
+        model = Net()
+        if form == "ddp(compile)":
+            wrapped = DistributedDataParallel(torch.compile(model))
+        else:
+            wrapped = DistributedDataParallel(model)
+            if form == "compile(ddp)":
+                wrapped = torch.compile(wrapped)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        guard = sdcguard.Guard(wrapped, opt, classify, config=Config(audit_every=2, weight_check_every=1))
+        try:
+            for step in range(4):
+                guard.train_step(step, micro_batches=[batch(step, rank, i) for i in range(MICRO)])
+            results[form] = {"alarms": guard.alarms_raised, "digest": state_digest(model, opt), "audited": guard.history.last_audited_step}
+        except sdcguard.SDCDetected as exc:
+            results[form] = {"alarm": exc.alarm}
+    return results
+
+
 def main(out):
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
     for name, scenario in (("clean", clean), ("scaler", scaler), ("threads", threads), ("huge", huge),
-                           ("replay_fails", replay_fails), ("exchange", exchange)):
+                           ("replay_fails", replay_fails), ("exchange", exchange), ("step_api", step_api),
+                           ("data_inf", data_inf), ("compiled", compiled)):
         result = scenario(rank, out)
         with open(os.path.join(out, f"{name}-rank{rank}.json"), "w") as fh:
             json.dump(result, fh, default=str)
