@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sdcguard.contract import names
+
 from . import kube
 
 DECISIONS = ("Approved", "Denied")
@@ -39,7 +41,7 @@ def record(name: str, body: dict[str, Any], decision: str) -> dict[str, Any]:
     spec, metadata = body.get("spec") or {}, body.get("metadata") or {}
     by, why = who(spec, metadata), spec.get("decisionReason") or ""
     message = f"{decision.lower()} by {by}" + (f": {why}" if why else "")
-    return kube.record(kube.REPLACEMENTS, None, name, decision, message,
+    return kube.record(names.REPLACEMENTS, None, name, decision, message,
                        decision={"decision": decision, "by": by, "reason": why, "time": kube.now()},
                        conditions=[kube.condition(decision, True, "KubectlSdcguard" if spec.get("decidedBy") else
                                                   "SpecDecision", message)]).get("status") or {}

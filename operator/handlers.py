@@ -6,20 +6,22 @@ from typing import Any
 
 import kopf
 
+from sdcguard.contract import names
+
 from . import incident, intake, kube, metrics, replacement
 from .settings import Settings
 
 SETTINGS = Settings.from_env()
-ALARM_FILTER = dict(field="reason", value=kube.ALARM_REASON)
+ALARM_FILTER = dict(field="reason", value=names.EVENT_REASON)
 
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
     """Server-side field selector for alarm Events (client-side filter below too); quiet kopf Events."""
-    settings.watching.field_selectors["v1", "events"] = f"reason={kube.ALARM_REASON}"
+    settings.watching.field_selectors["v1", "events"] = f"reason={names.EVENT_REASON}"
     settings.posting.level = logging.WARNING
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="sdcguard.dev")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="sdcguard.dev",
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=names.GROUP,
                                                                             key="last-handled-configuration")
     kube.api_client()
     metrics.serve(SETTINGS.metrics_port)
@@ -33,21 +35,21 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 @kopf.on.create("v1", "events", **ALARM_FILTER, backoff=SETTINGS.retry_seconds, retries=20)
 def alarm_event(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
-    patch.metadata.annotations[kube.INTAKE_ANNOTATION] = intake.handle(dict(body), SETTINGS, logger)
+    patch.metadata.annotations[names.INTAKE_ANNOTATION] = intake.handle(dict(body), SETTINGS, logger)
 
 
-@kopf.on.resume(kube.GROUP, kube.VERSION, kube.INCIDENTS, backoff=SETTINGS.retry_seconds)
-@kopf.on.create(kube.GROUP, kube.VERSION, kube.INCIDENTS, backoff=SETTINGS.retry_seconds)
+@kopf.on.resume(names.GROUP, names.VERSION, names.INCIDENTS, backoff=SETTINGS.retry_seconds)
+@kopf.on.create(names.GROUP, names.VERSION, names.INCIDENTS, backoff=SETTINGS.retry_seconds)
 def incident_contain(body: kopf.Body, **_: Any) -> None:
     incident.reconcile(dict(body), SETTINGS)
 
 
-@kopf.timer(kube.GROUP, kube.VERSION, kube.REPLACEMENTS, interval=SETTINGS.poll_seconds,
+@kopf.timer(names.GROUP, names.VERSION, names.REPLACEMENTS, interval=SETTINGS.poll_seconds,
             backoff=SETTINGS.retry_seconds, when=replacement.is_open)
 def replacement_tick(body: kopf.Body, **_: Any) -> None:
     replacement.reconcile(dict(body), SETTINGS)
 
 
-@kopf.on.field(kube.GROUP, kube.VERSION, kube.REPLACEMENTS, field="spec.decision", backoff=SETTINGS.retry_seconds)
+@kopf.on.field(names.GROUP, names.VERSION, names.REPLACEMENTS, field="spec.decision", backoff=SETTINGS.retry_seconds)
 def replacement_decided(body: kopf.Body, **_: Any) -> None:
     replacement.reconcile(dict(body), SETTINGS)

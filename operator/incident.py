@@ -2,6 +2,11 @@
 
 Duplicate alarms of one fault (every rank reporting it, a resent Event) map to the same name, so
 the API server's create conflict is what joins them: no in-memory dedup to lose on restart.
+
+The spec is the validated alarm; the status opens with the recovery plan taken from it
+(:func:`recovery`): the checkpoint to resume from and its step, the suspect window, and how many
+steps are at risk (redone after resuming). Records from older libraries lack some of these
+fields; they are then left out of the status (a merge patch drops nulls), never guessed.
 """
 from __future__ import annotations
 
@@ -11,10 +16,10 @@ from typing import Any
 
 import kopf
 
+from sdcguard.contract import names
+
 from . import contain, hyperpod, kube, localize, metrics, replacement
 from .settings import Settings
-
-JOB_LABEL = "sdcguard.dev/job"
 
 
 def incident_name(record: dict[str, Any]) -> str:
@@ -40,9 +45,9 @@ def manifest(record: dict[str, Any], event_name: str) -> dict[str, Any]:
     job = record["job"]
     window = record.get("suspect_window") or {"first_step": record["step"], "last_step": record["step"]}
     return {
-        "apiVersion": kube.API_VERSION, "kind": "SDCIncident",
+        "apiVersion": names.API_VERSION, "kind": "SDCIncident",
         "metadata": {"name": incident_name(record), "namespace": job["namespace"],
-                     "labels": {JOB_LABEL: job["name"][:63]}},
+                     "labels": {names.INCIDENT_JOB_LABEL: job["name"][:63]}},
         "spec": {
             "job": dict(job), "check": record["check"], "step": record["step"], "ambiguous": record["ambiguous"],
             "suspects": [dict(s) for s in record["suspects"]], "reporter": dict(record["reporter"]),
@@ -53,12 +58,49 @@ def manifest(record: dict[str, Any], event_name: str) -> dict[str, Any]:
     }
 
 
+def recovery(spec: dict[str, Any]) -> dict[str, Any]:
+    """The recovery plan of an incident, as status fields, from its spec (the alarm)."""
+    alarm = spec.get("alarm") or {}
+    window = spec.get("suspectWindow") or {}
+    first, last = _step(window.get("firstStep")), _step(window.get("lastStep"))
+    resume_step = _step(alarm.get("last_good_checkpoint_step"))
+    at_risk = _step(alarm.get("steps_at_risk"))
+    if at_risk is None and resume_step is not None:
+        at_risk = spec["step"] - resume_step
+    return {
+        "resumeFrom": spec.get("lastGoodCheckpoint"),
+        "resumeFromStep": resume_step,
+        "suspectWindow": {"firstStep": first, "lastStep": last, "range": window_range(first, last)},
+        "stepsAtRisk": at_risk,
+        "lastAuditedStep": _step(alarm.get("last_audited_step")),
+        "lastWeightsVerifiedStep": _step(alarm.get("last_weights_verified_step")),
+    }
+
+
+def window_range(first: int | None, last: int | None) -> str:
+    """``first-last`` as ``kubectl get`` shows it (``?`` for an unknown end)."""
+    return f"{'?' if first is None else first}-{'?' if last is None else last}"
+
+
+def resume_text(status: dict[str, Any]) -> str:
+    """Where to resume, for messages: ``ckpt.pt (step 19)``, or that there is no verified checkpoint."""
+    path, step = status.get("resumeFrom"), status.get("resumeFromStep")
+    if not path:
+        return "no verified checkpoint"
+    return f"{path} (step {step})" if step is not None else str(path)
+
+
+def _step(value: Any) -> int | None:
+    """An optional step of the alarm record: an integer, else None (the CRD schema wants integers)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def open_or_join(record: dict[str, Any], event_name: str) -> tuple[str, bool]:
     """Create the incident, or join the existing one; (name, created)."""
     body = manifest(record, event_name)
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     try:
-        kube.custom().create_namespaced_custom_object(kube.GROUP, kube.VERSION, namespace, kube.INCIDENTS, body)
+        kube.custom().create_namespaced_custom_object(names.GROUP, names.VERSION, namespace, names.INCIDENTS, body)
     except Exception as exc:
         if not kube.conflict(exc):
             raise
@@ -78,7 +120,7 @@ def join(namespace: str, name: str, alarm_id: str, event_name: str) -> None:
         timeline = list(status.get("timeline") or []) + [{
             "time": kube.now(), "event": "DuplicateAlarm", "message": f"alarm {alarm_id} (Event {event_name}) joined"}]
         return {"duplicates": duplicates, "alarmCount": len(duplicates) + 1, "timeline": timeline}
-    kube.update_status(kube.INCIDENTS, namespace, name, change)
+    kube.update_status(names.INCIDENTS, namespace, name, change)
 
 
 def reconcile(body: dict[str, Any], settings: Settings) -> None:
@@ -94,6 +136,8 @@ def reconcile(body: dict[str, Any], settings: Settings) -> None:
         status = kube.get_incident(namespace, name).get("status") or {}
         if not status.get("phase"):
             status = _open(namespace, name, spec)
+        elif "suspectWindow" not in status:  # opened by an operator that did not record the plan yet
+            status = _backfill_recovery(namespace, name, spec)
         status = _suspend(namespace, name, spec, status, settings)
         held = _cordon_all(namespace, name, ref, spec, status, settings)
         status = kube.get_incident(namespace, name).get("status") or {}
@@ -133,21 +177,29 @@ def sync(ref: str) -> None:
 
 
 def _open(namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """First record; duplicates may have joined already (their count is kept)."""
+    """First record, with the recovery plan; duplicates may have joined already (their count is kept)."""
+    plan = recovery(spec)
+    at_risk = f", {plan['stepsAtRisk']} steps at risk" if plan["stepsAtRisk"] is not None else ""
     message = (f"{spec['check']} alarm at step {spec['step']} naming "
                f"{', '.join(str(s['node']) for s in spec['suspects']) or 'no rank'}; resume from "
-               f"{spec.get('lastGoodCheckpoint') or 'no verified checkpoint'}")
+               f"{resume_text(plan)}{at_risk}")
 
     def change(status: dict[str, Any]) -> dict[str, Any]:
-        return {"phase": "Containing", "resumeFrom": spec.get("lastGoodCheckpoint"),
+        return {"phase": "Containing", **plan,
                 "alarmCount": 1 + len(status.get("duplicates") or []),
                 "timeline": [{"time": kube.now(), "event": "Opened", "message": message}]
                 + list(status.get("timeline") or [])}
-    return kube.update_status(kube.INCIDENTS, namespace, name, change).get("status") or {}
+    return kube.update_status(names.INCIDENTS, namespace, name, change).get("status") or {}
+
+
+def _backfill_recovery(namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """Add the recovery plan to an incident opened without it; the timeline is left as it is."""
+    return kube.update_status(names.INCIDENTS, namespace, name,
+                              lambda status: {} if "suspectWindow" in status else recovery(spec)).get("status") or {}
 
 
 def _record(namespace: str, name: str, event: str, message: str, **fields: Any) -> dict[str, Any]:
-    return kube.record(kube.INCIDENTS, namespace, name, event, message, **fields).get("status") or {}
+    return kube.record(names.INCIDENTS, namespace, name, event, message, **fields).get("status") or {}
 
 
 def _suspend(namespace: str, name: str, spec: dict[str, Any], status: dict[str, Any], settings: Settings) -> dict[str, Any]:
@@ -177,7 +229,7 @@ def _cordon_all(namespace: str, name: str, ref: str, spec: dict[str, Any], statu
         elif outcome == "missing":
             _record(namespace, name, "NodeMissing", f"node {node} no longer exists", nodes={node: {"missing": True}})
         else:
-            text = "cordoned and labelled sdcguard.dev/suspect=true" if outcome == "cordoned" else \
+            text = f"cordoned and labelled {names.SUSPECT_LABEL}=true" if outcome == "cordoned" else \
                 "already cordoned as suspect by another incident"
             _record(namespace, name, "NodeCordoned", f"{node}: {text}",
                     nodes={node: {"cordoned": True, "cordonedAt": kube.now()}},
@@ -223,15 +275,15 @@ def note(ref: str, event: str, message: str, replacement_name: str, phase: str) 
             timeline.append({"time": kube.now(), "event": event, "message": message})
         if all(p in replacement.TERMINAL for p in replacements.values()) and status.get("phase") == "AwaitingApproval":
             timeline.append({"time": kube.now(), "event": "Resolved",
-                             "message": f"every node replacement is done; resume from {status.get('resumeFrom')}"})
+                             "message": f"every node replacement is done; resume from {resume_text(status)}"})
             patch["phase"] = "Resolved"
             patch["conditions"] = kube.merge_conditions(status.get("conditions") or [], [kube.condition(
-                "Resolved", True, "ReplacementsDone", f"resume the job from {status.get('resumeFrom') or 'scratch'}")])
+                "Resolved", True, "ReplacementsDone", f"resume the job from {resume_text(status)}")])
         if len(timeline) != len(status.get("timeline") or []):
             patch["timeline"] = timeline
         return patch
     try:
-        kube.update_status(kube.INCIDENTS, namespace, name, change)
+        kube.update_status(names.INCIDENTS, namespace, name, change)
     except Exception as exc:
         if not kube.not_found(exc):
             raise

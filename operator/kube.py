@@ -15,19 +15,8 @@ from typing import Any
 
 import kubernetes
 
-GROUP = "sdcguard.dev"
-VERSION = "v1"
-INCIDENTS = "sdcincidents"
-REPLACEMENTS = "nodereplacements"
-API_VERSION = f"{GROUP}/{VERSION}"
+from sdcguard.contract import names
 
-ALARM_REASON = "SilentDataCorruption"
-ALARM_ANNOTATION = "sdcguard.dev/alarm"
-INTAKE_ANNOTATION = "sdcguard.dev/intake"
-ENABLED_ANNOTATION = "sdcguard.dev/enabled"
-SUSPECT_LABEL = "sdcguard.dev/suspect"
-INCIDENT_ANNOTATION = "sdcguard.dev/incident"
-JOB_NAME_LABEL = "training.kubeflow.org/job-name"
 CLUSTER_LABEL = "sagemaker.amazonaws.com/cluster-name"
 GROUP_LABEL = "sagemaker.amazonaws.com/instance-group-name"
 
@@ -95,11 +84,11 @@ def merge_conditions(existing: list[dict[str, Any]], updates: list[dict[str, str
 
 
 def get_incident(namespace: str, name: str) -> dict[str, Any]:
-    return custom().get_namespaced_custom_object(GROUP, VERSION, namespace, INCIDENTS, name)
+    return custom().get_namespaced_custom_object(names.GROUP, names.VERSION, namespace, names.INCIDENTS, name)
 
 
 def get_replacement(name: str) -> dict[str, Any]:
-    return custom().get_cluster_custom_object(GROUP, VERSION, REPLACEMENTS, name)
+    return custom().get_cluster_custom_object(names.GROUP, names.VERSION, names.REPLACEMENTS, name)
 
 
 def update_status(plural: str, namespace: str | None, name: str,
@@ -116,9 +105,10 @@ def update_status(plural: str, namespace: str | None, name: str,
         if not patch:
             return body
         if namespace:
-            return custom().patch_namespaced_custom_object_status(GROUP, VERSION, namespace, plural, name,
-                                                                  {"status": patch})
-        return custom().patch_cluster_custom_object_status(GROUP, VERSION, plural, name, {"status": patch})
+            return custom().patch_namespaced_custom_object_status(names.GROUP, names.VERSION, namespace, plural,
+                                                                  name, {"status": patch})
+        return custom().patch_cluster_custom_object_status(names.GROUP, names.VERSION, plural, name,
+                                                           {"status": patch})
 
 
 def record(plural: str, namespace: str | None, name: str, event: str | None = None, message: str = "",

@@ -6,19 +6,23 @@ and credentials apply unchanged:
 
     kubectl sdcguard approve NAME [--reason TEXT]   # spec.decision=Approved, who and why recorded
     kubectl sdcguard deny NAME [--reason TEXT]      # spec.decision=Denied: the node is uncordoned
-    kubectl sdcguard incidents                      # every SDCIncident, newest last
+    kubectl sdcguard incidents                      # every SDCIncident, newest last, with where to
+                                                    # resume from and how many steps are at risk
     kubectl sdcguard history                        # nodes / instances by number of incidents
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import getpass
 import json
 import os
 import subprocess
 import sys
 from typing import Any
+
+from sdcguard.contract import names
 
 
 class PluginError(Exception):
@@ -44,18 +48,18 @@ def whoami() -> str:
 
 
 def decide(name: str, decision: str, reason: str, by: str | None) -> str:
-    body = json.loads(kubectl("get", "nodereplacement", name, "-o", "json"))
+    body = json.loads(kubectl("get", names.REPLACEMENTS, name, "-o", "json"))
     already = ((body.get("status") or {}).get("decision") or {}).get("decision") or (body.get("spec") or {}).get("decision")
     if already:
         raise PluginError(f"nodereplacement {name} is already {already}: decisions are final")
     patch = {"spec": {"decision": decision, "decidedBy": by or whoami(), "decisionReason": reason}}
-    kubectl("patch", "nodereplacement", name, "--type=merge", "-p", json.dumps(patch))
+    kubectl("patch", names.REPLACEMENTS, name, "--type=merge", "-p", json.dumps(patch))
     node = (body.get("spec") or {}).get("nodeName")
     return f"nodereplacement {name} ({node}) {decision.lower()}"
 
 
 def incidents() -> list[dict[str, Any]]:
-    items = json.loads(kubectl("get", "sdcincidents", "--all-namespaces", "-o", "json")).get("items", [])
+    items = json.loads(kubectl("get", names.INCIDENTS, "--all-namespaces", "-o", "json")).get("items", [])
     return sorted(items, key=lambda i: i["metadata"].get("creationTimestamp") or "")
 
 
@@ -64,15 +68,60 @@ def table(rows: list[list[str]]) -> str:
     return "\n".join("   ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 
 
-def incidents_table() -> str:
-    rows = [["NAMESPACE", "NAME", "JOB", "CHECK", "STEP", "SUSPECTS", "PHASE", "RESUME-FROM"]]
+INCIDENT_COLUMNS = ["NAMESPACE", "NAME", "JOB", "CHECK", "STEP", "SUSPECTS", "WINDOW", "RESUME-FROM", "AT-RISK",
+                    "PHASE", "AGE"]
+
+
+def incidents_table(now: datetime.datetime | None = None) -> str:
+    """One row per incident: what fired where, the suspect nodes and window, where to resume, and
+    how many steps resuming redoes. Incidents opened before the operator recorded the recovery
+    plan show what their spec says, and ``-`` for the rest."""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    rows = [INCIDENT_COLUMNS]
     for item in incidents():
-        spec, status = item.get("spec") or {}, item.get("status") or {}
+        spec, status, meta = item.get("spec") or {}, item.get("status") or {}, item["metadata"]
         suspects = ",".join(s.get("node") or "?" for s in spec.get("suspects") or []) or "-"
-        rows.append([item["metadata"].get("namespace", ""), item["metadata"]["name"], spec.get("job", {}).get("name", ""),
-                     spec.get("check", ""), str(spec.get("step", "")), suspects, status.get("phase", ""),
-                     status.get("resumeFrom") or "-"])
+        rows.append([meta.get("namespace", ""), meta["name"], (spec.get("job") or {}).get("name", ""),
+                     spec.get("check", ""), _text(spec.get("step")), suspects, _window(spec, status),
+                     _resume(spec, status), _text(status.get("stepsAtRisk")), status.get("phase") or "-",
+                     age(meta.get("creationTimestamp"), now)])
     return table(rows)
+
+
+def _text(value: Any) -> str:
+    return "-" if value is None or value == "" else str(value)
+
+
+def _window(spec: dict[str, Any], status: dict[str, Any]) -> str:
+    """``first-last`` (``?`` for an unknown end), as the Window column of ``kubectl get`` shows it."""
+    window = status.get("suspectWindow") or spec.get("suspectWindow") or {}
+    first, last = window.get("firstStep"), window.get("lastStep")
+    if first is None and last is None:
+        return "-"
+    return f"{'?' if first is None else first}-{'?' if last is None else last}"
+
+
+def _resume(spec: dict[str, Any], status: dict[str, Any]) -> str:
+    path = status.get("resumeFrom") if "resumeFrom" in status else spec.get("lastGoodCheckpoint")
+    if not path:
+        return "none"
+    step = status.get("resumeFromStep")
+    return f"{path} (step {step})" if step is not None else str(path)
+
+
+def age(stamp: str | None, now: datetime.datetime) -> str:
+    """kubectl's short age: 42s, 7m, 5h, 3d."""
+    if not stamp:
+        return "-"
+    try:
+        then = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return "-"
+    seconds = max(0, int((now - then).total_seconds()))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
 
 
 def history_table() -> str:

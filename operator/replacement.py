@@ -13,6 +13,8 @@ from typing import Any
 
 import kopf
 
+from sdcguard.contract import names
+
 from . import approval, contain, hyperpod, kube, metrics
 from .localize import Location
 from .settings import Settings
@@ -32,11 +34,11 @@ def ensure(node: str, where: Location, incident_ref: str) -> str:
     """The open NodeReplacement of this node and instance, created if needed (never two at once)."""
     for n in itertools.count(1):
         name = node if n == 1 else f"{node}-{n}"
-        body = {"apiVersion": kube.API_VERSION, "kind": "NodeReplacement", "metadata": {"name": name},
+        body = {"apiVersion": names.API_VERSION, "kind": "NodeReplacement", "metadata": {"name": name},
                 "spec": {"nodeName": node, "instanceId": where.instance_id, "clusterName": where.cluster,
                          "instanceGroup": where.instance_group, "incidents": [incident_ref]}}
         try:
-            kube.custom().create_cluster_custom_object(kube.GROUP, kube.VERSION, kube.REPLACEMENTS, body)
+            kube.custom().create_cluster_custom_object(names.GROUP, names.VERSION, names.REPLACEMENTS, body)
             return name
         except Exception as exc:
             if not kube.conflict(exc):
@@ -46,7 +48,7 @@ def ensure(node: str, where: Location, incident_ref: str) -> str:
         if same and (existing.get("status") or {}).get("phase") not in TERMINAL:
             incidents = list(existing["spec"].get("incidents") or [])
             if incident_ref not in incidents:
-                kube.custom().patch_cluster_custom_object(kube.GROUP, kube.VERSION, kube.REPLACEMENTS, name,
+                kube.custom().patch_cluster_custom_object(names.GROUP, names.VERSION, names.REPLACEMENTS, name,
                                                           {"spec": {"incidents": incidents + [incident_ref]}})
             return name
     raise AssertionError("unreachable")
@@ -85,7 +87,7 @@ def reconcile(body: dict[str, Any], settings: Settings) -> None:
 
 def _phase(body: dict[str, Any], phase: str, event: str, message: str, **fields: Any) -> dict[str, Any]:
     name = body["metadata"]["name"]
-    status = kube.record(kube.REPLACEMENTS, None, name, event, message, phase=phase, **fields).get("status") or {}
+    status = kube.record(names.REPLACEMENTS, None, name, event, message, phase=phase, **fields).get("status") or {}
     metrics.REPLACEMENTS.labels(phase).inc()
     from . import incident  # the incident module imports this one
     for ref in body["spec"].get("incidents") or []:
@@ -94,7 +96,7 @@ def _phase(body: dict[str, Any], phase: str, event: str, message: str, **fields:
 
 
 def _note(body: dict[str, Any], event: str | None, message: str, **fields: Any) -> dict[str, Any]:
-    return kube.record(kube.REPLACEMENTS, None, body["metadata"]["name"], event, message, **fields).get("status") or {}
+    return kube.record(names.REPLACEMENTS, None, body["metadata"]["name"], event, message, **fields).get("status") or {}
 
 
 def _deny(body: dict[str, Any], status: dict[str, Any]) -> None:

@@ -9,6 +9,8 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
+from sdcguard.contract import names
+
 DEEP_HEALTH_CHECKS = ("InstanceStress", "InstanceConnectivity")
 
 
@@ -63,8 +65,8 @@ class Settings:
             max_throttle_retries=_int(env, "SDCGUARD_MAX_THROTTLE_RETRIES", 8),
             storm_guard_recheck_seconds=_float(env, "SDCGUARD_STORM_GUARD_RECHECK_SECONDS", 60.0),
             metrics_port=_int(env, "SDCGUARD_METRICS_PORT", 8080),
-            pod_name=env.get("POD_NAME") or None,
-            pod_namespace=env.get("POD_NAMESPACE") or None,
+            pod_name=env.get(names.ENV_POD_NAME) or None,
+            pod_namespace=env.get(names.ENV_POD_NAMESPACE) or None,
         )
         if settings.max_concurrent_suspect_nodes < 0:
             raise ValueError("SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES must be >= 0")

@@ -10,11 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 from sdcguard.contract import alarm as alarm_schema
+from sdcguard.contract import names
 
 from . import kube
 from .settings import Settings
-
-PYTORCHJOB = ("kubeflow.org", "v1", "pytorchjobs")
 
 
 class Rejected(Exception):
@@ -29,9 +28,9 @@ class Rejected(Exception):
 def parse(event: dict[str, Any], settings: Settings) -> dict[str, Any]:
     """The alarm record of an Event, schema-checked, with the job checks that need no pod."""
     annotations = (event.get("metadata") or {}).get("annotations") or {}
-    text = annotations.get(kube.ALARM_ANNOTATION)
+    text = annotations.get(names.ALARM_ANNOTATION)
     if text is None:
-        raise Rejected("MissingAnnotation", f"the Event has no {kube.ALARM_ANNOTATION} annotation")
+        raise Rejected("MissingAnnotation", f"the Event has no {names.ALARM_ANNOTATION} annotation")
     try:
         record = alarm_schema.loads(text)
     except alarm_schema.AlarmError as exc:
@@ -40,8 +39,8 @@ def parse(event: dict[str, Any], settings: Settings) -> dict[str, Any]:
     job = record["job"]
     if job is None:
         raise Rejected("NoJob", "the alarm names no Kubernetes job")
-    if job["kind"] != "PyTorchJob":
-        raise Rejected("UnsupportedJobKind", f"job kind {job['kind']!r} is not PyTorchJob")
+    if job["kind"] != names.JOB_KIND:
+        raise Rejected("UnsupportedJobKind", f"job kind {job['kind']!r} is not {names.JOB_KIND}")
     event_ns = (event.get("metadata") or {}).get("namespace")
     if event_ns and job["namespace"] != event_ns:
         raise Rejected("NamespaceMismatch", f"an Event in {event_ns!r} names a job in {job['namespace']!r}")
@@ -54,14 +53,16 @@ def check_job(record: dict[str, Any]) -> dict[str, Any]:
     """The PyTorchJob of the alarm, which must exist and carry sdcguard.dev/enabled: "true"."""
     job = record["job"]
     try:
-        body = kube.custom().get_namespaced_custom_object(*PYTORCHJOB[:2], job["namespace"], PYTORCHJOB[2], job["name"])
+        body = kube.custom().get_namespaced_custom_object(names.JOB_GROUP, names.JOB_VERSION, job["namespace"],
+                                                          names.JOB_PLURAL, job["name"])
     except Exception as exc:
         if kube.not_found(exc):
-            raise Rejected("JobNotFound", f"PyTorchJob {job['namespace']}/{job['name']} does not exist") from None
+            raise Rejected("JobNotFound", f"{names.JOB_KIND} {job['namespace']}/{job['name']} does not exist") from None
         raise
     annotations = (body.get("metadata") or {}).get("annotations") or {}
-    if annotations.get(kube.ENABLED_ANNOTATION) != "true":
-        raise Rejected("JobNotEnabled", f"PyTorchJob {job['name']} is not annotated {kube.ENABLED_ANNOTATION}: \"true\"")
+    if annotations.get(names.ENABLED_ANNOTATION) != "true":
+        raise Rejected("JobNotEnabled",
+                       f"{names.JOB_KIND} {job['name']} is not annotated {names.ENABLED_ANNOTATION}: \"true\"")
     return body
 
 
@@ -79,7 +80,7 @@ def check_pods(record: dict[str, Any]) -> None:
             if kube.not_found(exc):
                 raise Rejected("PodNotFound", f"pod {job['namespace']}/{pod_name} does not exist") from None
             raise
-        owner = (pod.metadata.labels or {}).get(kube.JOB_NAME_LABEL)
+        owner = (pod.metadata.labels or {}).get(names.JOB_NAME_LABEL)
         if owner != job["name"]:
             raise Rejected("PodNotInJob", f"pod {pod_name} belongs to job {owner!r}, not {job['name']!r}")
         if pod.spec is None or pod.spec.node_name != node_name:

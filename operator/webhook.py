@@ -34,24 +34,16 @@ from typing import Any, Awaitable, Callable, Mapping
 import kopf
 
 from sdcguard.config import Config
+from sdcguard.contract import names
 
 log = logging.getLogger("sdcguard_operator.webhook")
 
 HANDLER_ID = "sdcguard-pod-inject"  # also the URL path: kopf serves POST /<handler id>
-JOB_LABEL = "training.kubeflow.org/job-name"
-JOB_KIND = "PyTorchJob"
-JOB_GROUP, JOB_VERSION, JOB_PLURAL = "kubeflow.org", "v1", "pytorchjobs"
-ENABLED = "sdcguard.dev/enabled"
-INJECTED_LABEL = "sdcguard.dev/injected"
 SETTINGS = {  # annotation -> (environment variable, library default)
-    "sdcguard.dev/audit-every": ("SDCGUARD_AUDIT_EVERY", Config().audit_every),
-    "sdcguard.dev/weight-check-every": ("SDCGUARD_WEIGHT_CHECK_EVERY", Config().weight_check_every),
+    names.AUDIT_EVERY_ANNOTATION: (names.ENV_AUDIT_EVERY, Config().audit_every),
+    names.WEIGHT_CHECK_EVERY_ANNOTATION: (names.ENV_WEIGHT_CHECK_EVERY, Config().weight_check_every),
 }
-SIDECAR_NAME = "sdcguard-sidecar"
-SPOOL_VOLUME = "sdcguard-spool"
-SPOOL_PATH = "/var/run/sdcguard"
-METRICS_PORT_NAME = "sdc-metrics"
-DOWNWARD_API = {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace", "NODE_NAME": "spec.nodeName"}
+_ANNOTATION_PREFIX = f"{names.GROUP}/"
 _DECIMAL = re.compile(r"^[0-9]+$")
 
 
@@ -61,7 +53,7 @@ class SidecarSettings:
 
     image: str = "ghcr.io/sdcguard/sdcguard-agent:0.1.0"
     pull_policy: str = "IfNotPresent"
-    metrics_port: int = 9464
+    metrics_port: int = names.SIDECAR_METRICS_PORT
     cpu_request: str = "10m"
     memory_request: str = "48Mi"
     memory_limit: str = "128Mi"
@@ -82,18 +74,18 @@ class Plan:
     """What an enabled pod gets: its job and the check settings as environment variables."""
 
     job_name: str
-    job_kind: str = JOB_KIND
+    job_kind: str = names.JOB_KIND
     settings_env: dict[str, str] = field(default_factory=dict)
 
 
 def plan(job_name: str, annotations: Mapping[str, str]) -> tuple[Plan | None, list[str]]:
     """Decide from the effective ``sdcguard.dev/*`` annotations; return (plan or None, warnings)."""
     warnings: list[str] = []
-    enabled = str(annotations.get(ENABLED, "")).strip().lower()
+    enabled = str(annotations.get(names.ENABLED_ANNOTATION, "")).strip().lower()
     if enabled != "true":
         if enabled not in ("", "false"):
-            warnings.append(f"sdcguard: {ENABLED}={annotations[ENABLED]!r} is neither \"true\" nor \"false\"; "
-                            "sdcguard stays off for this pod")
+            warnings.append(f"sdcguard: {names.ENABLED_ANNOTATION}={annotations[names.ENABLED_ANNOTATION]!r} is "
+                            "neither \"true\" nor \"false\"; sdcguard stays off for this pod")
         return None, warnings
     result = Plan(job_name=job_name)
     for key, (var, default) in SETTINGS.items():
@@ -112,11 +104,11 @@ def inject(pod: dict[str, Any], *, how: Plan, sidecar: SidecarSettings) -> None:
     """Wire sdcguard into ``pod`` in place. Idempotent: every item is set by name, so a pod that
     already has it (or went through twice) ends up the same."""
     meta = pod.setdefault("metadata", {})
-    meta.setdefault("labels", {})[INJECTED_LABEL] = "true"
+    meta.setdefault("labels", {})[names.INJECTED_LABEL] = "true"
     spec = pod.setdefault("spec", {})
     volumes = spec.setdefault("volumes", [])
-    if not any(v.get("name") == SPOOL_VOLUME for v in volumes):
-        volumes.append({"name": SPOOL_VOLUME, "emptyDir": {}})
+    if not any(v.get("name") == names.SPOOL_VOLUME for v in volumes):
+        volumes.append({"name": names.SPOOL_VOLUME, "emptyDir": {}})
     env = _env(how)
     for container in spec.get("containers", []):
         _ensure_mount(container)
@@ -124,7 +116,7 @@ def inject(pod: dict[str, Any], *, how: Plan, sidecar: SidecarSettings) -> None:
     inits = spec.setdefault("initContainers", [])
     wanted = _sidecar_container(sidecar)
     for i, container in enumerate(inits):
-        if container.get("name") == SIDECAR_NAME:
+        if container.get("name") == names.SIDECAR_CONTAINER:
             inits[i] = wanted
             break
     else:
@@ -134,7 +126,7 @@ def inject(pod: dict[str, Any], *, how: Plan, sidecar: SidecarSettings) -> None:
 def mutated(pod: Mapping[str, Any], job_annotations: Mapping[str, str] | None,
             sidecar: SidecarSettings) -> tuple[dict[str, Any] | None, list[str]]:
     """The pure whole: the mutated copy of ``pod`` (None: leave it alone) and the warnings."""
-    job_name = ((pod.get("metadata") or {}).get("labels") or {}).get(JOB_LABEL)
+    job_name = ((pod.get("metadata") or {}).get("labels") or {}).get(names.JOB_NAME_LABEL)
     if not job_name or not _owned_by_pytorchjob(pod):
         return None, []
     how, warnings = plan(job_name, effective_annotations(pod, job_annotations))
@@ -149,23 +141,25 @@ def effective_annotations(pod: Mapping[str, Any], job_annotations: Mapping[str, 
     """The job's ``sdcguard.dev/*`` annotations overlaid by the pod's own (from its template)."""
     pod_annotations = (pod.get("metadata") or {}).get("annotations") or {}
     merged = {**(job_annotations or {}), **pod_annotations}
-    return {k: v for k, v in merged.items() if k.startswith("sdcguard.dev/")}
+    return {k: v for k, v in merged.items() if k.startswith(_ANNOTATION_PREFIX)}
 
 
 def _owned_by_pytorchjob(pod: Mapping[str, Any]) -> bool:
     """Other Kubeflow job kinds share the job-name label; the controller owner tells them apart."""
     owners = (pod.get("metadata") or {}).get("ownerReferences") or []
     controller = [o for o in owners if o.get("controller")]
-    return not controller or controller[0].get("kind") == JOB_KIND
+    return not controller or controller[0].get("kind") == names.JOB_KIND
+
+
+def _downward_api() -> list[dict[str, Any]]:
+    return [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in names.DOWNWARD_API.items()]
 
 
 def _env(how: Plan) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = [
-        {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in DOWNWARD_API.items()
-    ]
-    env += [{"name": "SDCGUARD_SPOOL", "value": SPOOL_PATH},
-            {"name": "SDCGUARD_JOB_NAME", "value": how.job_name},
-            {"name": "SDCGUARD_JOB_KIND", "value": how.job_kind}]
+    env = _downward_api()
+    env += [{"name": names.ENV_SPOOL, "value": names.SPOOL_PATH},
+            {"name": names.ENV_JOB_NAME, "value": how.job_name},
+            {"name": names.ENV_JOB_KIND, "value": how.job_kind}]
     env += [{"name": k, "value": v} for k, v in sorted(how.settings_env.items())]
     return env
 
@@ -183,24 +177,23 @@ def _set_env(container: dict[str, Any], env: list[dict[str, Any]]) -> None:
 
 def _ensure_mount(container: dict[str, Any]) -> None:
     mounts = container.setdefault("volumeMounts", [])
-    if not any(m.get("name") == SPOOL_VOLUME for m in mounts):
-        mounts.append({"name": SPOOL_VOLUME, "mountPath": SPOOL_PATH})
+    if not any(m.get("name") == names.SPOOL_VOLUME for m in mounts):
+        mounts.append({"name": names.SPOOL_VOLUME, "mountPath": names.SPOOL_PATH})
 
 
 def _sidecar_container(s: SidecarSettings) -> dict[str, Any]:
     return {
-        "name": SIDECAR_NAME,
+        "name": names.SIDECAR_CONTAINER,
         "image": s.image,
         "imagePullPolicy": s.pull_policy,
         "restartPolicy": "Always",
-        "args": ["sidecar", "--spool", SPOOL_PATH, "--metrics-port", str(s.metrics_port)],
-        "env": [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in DOWNWARD_API.items()]
-        + [{"name": "SDCGUARD_SPOOL", "value": SPOOL_PATH}],
-        "ports": [{"name": METRICS_PORT_NAME, "containerPort": s.metrics_port, "protocol": "TCP"}],
-        "volumeMounts": [{"name": SPOOL_VOLUME, "mountPath": SPOOL_PATH}],
+        "args": ["sidecar", "--spool", names.SPOOL_PATH, "--metrics-port", str(s.metrics_port)],
+        "env": _downward_api() + [{"name": names.ENV_SPOOL, "value": names.SPOOL_PATH}],
+        "ports": [{"name": names.SIDECAR_METRICS_PORT_NAME, "containerPort": s.metrics_port, "protocol": "TCP"}],
+        "volumeMounts": [{"name": names.SPOOL_VOLUME, "mountPath": names.SPOOL_PATH}],
         "resources": {"requests": {"cpu": s.cpu_request, "memory": s.memory_request},
                       "limits": {"memory": s.memory_limit}},
-        "livenessProbe": {"httpGet": {"path": "/healthz", "port": METRICS_PORT_NAME},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": names.SIDECAR_METRICS_PORT_NAME},
                           "periodSeconds": 20, "failureThreshold": 3},
         # Fits the "restricted" Pod Security Standard, so enabling sdcguard never fails admission.
         "securityContext": {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
@@ -232,9 +225,9 @@ class JobAnnotations:
         try:
             job = await self._fetch(namespace, name)
         except Exception as exc:  # noqa: BLE001 — any failure means: admit the pod as it is
-            return None, f"could not read {JOB_KIND} {namespace}/{name} ({type(exc).__name__}: {exc})"
+            return None, f"could not read {names.JOB_KIND} {namespace}/{name} ({type(exc).__name__}: {exc})"
         if job is None:
-            return None, f"{JOB_KIND} {namespace}/{name} not found"
+            return None, f"{names.JOB_KIND} {namespace}/{name} not found"
         annotations = dict((job.get("metadata") or {}).get("annotations") or {})
         now = self._clock()
         if len(self._cache) > 1024:  # forget finished jobs
@@ -265,8 +258,8 @@ def kubernetes_fetch(timeout: float = 2.0) -> Fetch:
 
     def get(namespace: str, name: str) -> Mapping[str, Any] | None:
         try:
-            return api().get_namespaced_custom_object(JOB_GROUP, JOB_VERSION, namespace, JOB_PLURAL, name,
-                                                      _request_timeout=timeout)
+            return api().get_namespaced_custom_object(names.JOB_GROUP, names.JOB_VERSION, namespace,
+                                                      names.JOB_PLURAL, name, _request_timeout=timeout)
         except client.exceptions.ApiException as exc:
             if exc.status == 404:
                 return None
@@ -318,7 +311,7 @@ async def mutate_pod(body: kopf.Body, patch: kopf.Patch, warnings: list[str], lo
                      **_: Any) -> None:
     """Admission of a pod of a Kubeflow job: look the job up, then let :func:`mutated` decide."""
     pod = dict(body)
-    name = body.metadata.labels.get(JOB_LABEL, "")
+    name = body.metadata.labels.get(names.JOB_NAME_LABEL, "")
     annotations, problem = (None, "sdcguard webhook is not configured") if _runtime.jobs is None else \
         await _runtime.jobs.get(body.metadata.namespace or "default", name)
     if problem:
@@ -341,7 +334,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
     kopf.on.startup(registry=registry, id="sdcguard-webhook-configure")(configure)
     kopf.on.mutate("", "v1", "pods", registry=registry, id=HANDLER_ID, operations=["CREATE"],
                    ignore_failures=True, side_effects=False,
-                   labels={JOB_LABEL: kopf.PRESENT})(mutate_pod)
+                   labels={names.JOB_NAME_LABEL: kopf.PRESENT})(mutate_pod)
 
 
 register(kopf.get_default_registry())

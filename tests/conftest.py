@@ -196,8 +196,12 @@ class OperatorWorld:
 
 def make_alarm(namespace: str, job: str, *, check: str = "replay", step: int = 40,
                suspects: list[tuple[int, str, str]] = (), reporter: tuple[int, str, str] | None = None,
-               checkpoint: str | None = "checkpoint-19.pt", alarm_id: str | None = None) -> dict[str, Any]:
-    """A v1 alarm record via the shared schema module; suspects/reporter are (rank, pod, node)."""
+               checkpoint: str | None = "checkpoint-19.pt", alarm_id: str | None = None,
+               window: tuple[int, int] | None = None, **recovery: Any) -> dict[str, Any]:
+    """A v1 alarm record via the shared schema module; suspects/reporter are (rank, pod, node).
+
+    ``window`` is the suspect window (default: the alarm step alone); ``recovery`` adds the optional
+    fields of newer libraries (``last_good_checkpoint_step``, ``steps_at_risk``, ...)."""
     from sdcguard.contract import alarm
 
     identities = {rank: {"rank": rank, "pod": pod, "node": node} for rank, pod, node in suspects}
@@ -207,7 +211,9 @@ def make_alarm(namespace: str, job: str, *, check: str = "replay", step: int = 4
         alarm_id=alarm_id or secrets.token_hex(6), job={"kind": "PyTorchJob", "name": job, "namespace": namespace},
         check=check, step=step, suspect_ranks=[r for r, _, _ in suspects], identities=identities,
         ambiguous=False, reporter_rank=reporter[0], evidence={"pairs": [[0, 2]]}, last_verified_step=step - 1,
-        last_good_checkpoint=checkpoint, suspect_window={"first_step": step, "last_step": step})
+        last_good_checkpoint=checkpoint,
+        suspect_window={"first_step": (window or (step, step))[0], "last_step": (window or (step, step))[1]},
+        **recovery)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 import sdcguard_operator.webhook as webhook
+from sdcguard.contract import names
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "sdcguard"
@@ -106,7 +107,7 @@ def test_webhook_configuration_matches_the_server_and_never_blocks_pods(rendered
     assert hook["failurePolicy"] == "Ignore" and hook["sideEffects"] == "None"
     assert hook["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"],
                               "operations": ["CREATE"], "scope": "Namespaced"}]
-    assert hook["objectSelector"]["matchExpressions"] == [{"key": webhook.JOB_LABEL, "operator": "Exists"}]
+    assert hook["objectSelector"]["matchExpressions"] == [{"key": names.JOB_NAME_LABEL, "operator": "Exists"}]
     assert "sdcguard" in hook["namespaceSelector"]["matchExpressions"][0]["values"]
     svc_ref = hook["clientConfig"]["service"]
     assert svc_ref["path"] == f"/{webhook.HANDLER_ID}"  # kopf serves the handler at its id
@@ -136,9 +137,10 @@ def test_self_signed_certificate_is_valid_for_the_service_and_matches_the_ca_bun
     ca = x509.load_pem_x509_certificate(ca_pem)
     cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
     cert.verify_directly_issued_by(ca)
-    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    dns_names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName)
     service = mwc["webhooks"][0]["clientConfig"]["service"]
-    assert f"{service['name']}.{service['namespace']}.svc" in names
+    assert f"{service['name']}.{service['namespace']}.svc" in dns_names
     [deployment] = by_kind(docs, "Deployment")
     volumes = deployment["spec"]["template"]["spec"]["volumes"]
     assert {"name": "webhook-tls", "secret": {"secretName": secret["metadata"]["name"]}} in volumes
@@ -176,10 +178,12 @@ def test_other_value_sets_render_what_they_ask_for(rendered: dict[str, Any]) -> 
 
 
 def test_operator_environment_names_are_ones_the_code_reads(rendered: dict[str, Any]) -> None:
+    """Every variable the chart sets is spelled in the operator, or in the shared names it imports."""
     sources = "".join(p.read_text() for p in (ROOT / "operator").glob("*.py"))
+    sources += (ROOT / "agent" / "contract" / "names.py").read_text()
     [deployment] = by_kind(rendered["irsa-cert-manager-monitors"], "Deployment")
-    names = {e["name"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
-    unread = sorted(n for n in names if f'"{n}"' not in sources)
+    variables = {e["name"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    unread = sorted(n for n in variables if f'"{n}"' not in sources)
     assert unread == []
 
 
@@ -281,7 +285,7 @@ def test_example_pytorchjob_is_enabled_and_its_mutated_pods_are_valid() -> None:
     for replica, spec in job["spec"]["pytorchReplicaSpecs"].items():
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {
             "name": f"{job['metadata']['name']}-{replica.lower()}-0", "namespace": job["metadata"]["namespace"],
-            "labels": {webhook.JOB_LABEL: job["metadata"]["name"]}}, "spec": spec["template"]["spec"]}
+            "labels": {names.JOB_NAME_LABEL: job["metadata"]["name"]}}, "spec": spec["template"]["spec"]}
         mutated, notes = webhook.mutated(pod, annotations, webhook.SidecarSettings())
         assert mutated is not None and notes == []
         kubernetes_validate.validate(mutated, K8S_VERSION, strict=True)
@@ -312,11 +316,11 @@ def test_images_are_pinned_multi_stage_non_root_and_torch_free(dockerfile: str, 
     pins = [line for line in (DEPLOY / "images" / requirements).read_text().splitlines()
             if line and not line.startswith("#")]
     assert all(re.fullmatch(r"[A-Za-z0-9_.-]+==[A-Za-z0-9_.+-]+", p) for p in pins)
-    names = {p.split("==")[0].lower().replace("_", "-") for p in pins}
-    assert "torch" not in names and "numpy" not in names
-    assert {"kubernetes", "prometheus-client"} <= names
+    packages = {p.split("==")[0].lower().replace("_", "-") for p in pins}
+    assert "torch" not in packages and "numpy" not in packages
+    assert {"kubernetes", "prometheus-client"} <= packages
     if module == "sdcguard_operator":
-        assert {"kopf", "boto3"} <= names
+        assert {"kopf", "boto3"} <= packages
 
 
 def test_notes_tell_the_next_steps() -> None:

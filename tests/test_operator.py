@@ -34,7 +34,9 @@ def _phase(world, name):
 def test_happy_path_event_to_replaced(world):
     ns = "happy"
     ids, nodes, pods = _setup(world, ns)
-    record = make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[1])], reporter=(0, pods[0], nodes[0]))
+    record = make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[1])], reporter=(0, pods[0], nodes[0]),
+                        window=(31, 40), last_good_checkpoint_step=19, steps_at_risk=21, last_audited_step=30,
+                        last_weights_verified_step=38)
     event = world.alarm_event(ns, record)
 
     name = "llm-replay-40"
@@ -58,6 +60,9 @@ def test_happy_path_event_to_replaced(world):
     assert incident["spec"]["suspects"] == [{"rank": 1, "pod": pods[1], "node": nodes[1]}]
     assert incident["spec"]["lastGoodCheckpoint"] == "checkpoint-19.pt"
     assert incident["status"]["resumeFrom"] == "checkpoint-19.pt"
+    assert (incident["status"]["resumeFromStep"], incident["status"]["stepsAtRisk"]) == (19, 21)
+    assert incident["status"]["suspectWindow"] == {"firstStep": 31, "lastStep": 40, "range": "31-40"}
+    assert (incident["status"]["lastAuditedStep"], incident["status"]["lastWeightsVerifiedStep"]) == (30, 38)
     assert incident["status"]["nodes"][nodes[1]]["instanceId"] == ids[1]
     events = [t["event"] for t in incident["status"]["timeline"]]
     assert events[:4] == ["Opened", "JobSuspended", "NodeCordoned", "ReplacementCreated"], events
@@ -83,6 +88,10 @@ def test_deny_with_plain_kubectl_patch_uncordons(world):
     world.alarm_event(ns, make_alarm(ns, "llm", check="weights", step=7, suspects=[(2, pods[2], nodes[2])]))
     world.wait(lambda: _phase(world, nodes[2]) == "PendingApproval", what="PendingApproval")
     assert world.node_state(nodes[2]) == (True, "true")
+    status = world.incident(ns, "llm-weights-7")["status"]  # a record from an older library: no guesses
+    assert status["suspectWindow"] == {"firstStep": 7, "lastStep": 7, "range": "7-7"}
+    assert status["resumeFrom"] == "checkpoint-19.pt"
+    assert "resumeFromStep" not in status and "stepsAtRisk" not in status  # null in a merge patch: absent
     patch = world.kubectl("patch", "nodereplacement", nodes[2], "--type=merge",
                           "-p", json.dumps({"spec": {"decision": "Denied"}}))
     assert patch.returncode == 0, patch.stderr
@@ -208,7 +217,13 @@ def test_alarm_events_are_watched_with_a_server_side_field_selector(world):
 def test_kubectl_sdcguard_history_and_incidents(world):
     listing = world.kubectl("sdcguard", "incidents")
     assert listing.returncode == 0, listing.stderr
-    assert "llm-replay-40" in listing.stdout and "checkpoint-19.pt" in listing.stdout
+    header, *rows = listing.stdout.splitlines()
+    assert header.split() == ["NAMESPACE", "NAME", "JOB", "CHECK", "STEP", "SUSPECTS", "WINDOW", "RESUME-FROM",
+                              "AT-RISK", "PHASE", "AGE"]
+    [happy] = [row for row in rows if row.startswith("happy ")]
+    cells = happy.split()
+    assert cells[1:5] == ["llm-replay-40", "llm", "replay", "40"] and cells[5].startswith("hyperpod-i-")
+    assert cells[6:11] == ["31-40", "checkpoint-19.pt", "(step", "19)", "21"] and cells[11] == "Resolved"
     history = world.kubectl("sdcguard", "history")
     assert history.returncode == 0, history.stderr
     lines = history.stdout.splitlines()
@@ -221,8 +236,13 @@ def test_kubectl_sdcguard_history_and_incidents(world):
     got = world.kubectl("get", "sdcincidents", "-n", "happy")
     assert got.returncode == 0, got.stderr
     header, row = got.stdout.splitlines()[:2]
-    assert header.split() == ["NAME", "JOB", "CHECK", "STEP", "SUSPECTS", "PHASE", "AGE"]
-    assert row.split()[:4] == ["llm-replay-40", "llm", "replay", "40"] and row.split()[5] == "Resolved"
+    assert header.split() == ["NAME", "JOB", "CHECK", "STEP", "SUSPECTS", "WINDOW", "RESUME-FROM", "AT-RISK",
+                              "PHASE", "AGE"]
+    assert row.split()[:4] == ["llm-replay-40", "llm", "replay", "40"]
+    assert row.split()[5:9] == ["31-40", "checkpoint-19.pt", "21", "Resolved"]
+    wide = world.kubectl("get", "sdcincidents", "-n", "happy", "-o", "wide")
+    assert wide.returncode == 0, wide.stderr
+    assert wide.stdout.splitlines()[0].split()[7:9] == ["RESUME-STEP", "AT-RISK"]
 
 
 def test_early_approval_waits_for_the_health_check(world):
@@ -238,3 +258,24 @@ def test_early_approval_waits_for_the_health_check(world):
     assert events.index("HealthCheckPassed") < events.index("Approved") < events.index("ReplaceRequested"), events
     assert world.replacement(nodes[1])["status"]["decision"]["by"] == "oncall-bot"
     assert len(world.aws.calls("BatchReplaceClusterNodes", ids[1])) == 1
+
+
+def test_incident_opened_by_an_older_operator_gets_its_recovery_plan_and_keeps_its_timeline(world):
+    ns = "older"
+    record = make_alarm(ns, "llm", step=12, window=(9, 12), checkpoint="ckpt-8.pt", last_good_checkpoint_step=8)
+    timeline = [{"time": "2026-01-01T00:00:00Z", "event": "Opened", "message": "opened before the upgrade"},
+                {"time": "2026-01-01T00:00:01Z", "event": "Contained", "message": "contained; no node to replace"}]
+    world.custom.create_namespaced_custom_object("sdcguard.dev", "v1", ns, "sdcincidents", {
+        "apiVersion": "sdcguard.dev/v1", "kind": "SDCIncident", "metadata": {"name": "llm-replay-12", "namespace": ns},
+        "spec": {"job": record["job"], "check": "replay", "step": 12, "ambiguous": False, "suspects": [],
+                 "reporter": record["reporter"], "suspectWindow": {"firstStep": 9, "lastStep": 12},
+                 "lastVerifiedStep": 11, "lastGoodCheckpoint": "ckpt-8.pt", "alarmId": record["id"],
+                 "event": "sdcguard-older", "alarm": record},
+        "status": {"phase": "Contained", "resumeFrom": "ckpt-8.pt", "alarmCount": 1, "timeline": timeline,
+                   "conditions": [{"type": "JobSuspended", "status": "True", "reason": "Suspended", "message": "",
+                                   "lastTransitionTime": "2026-01-01T00:00:01Z"}]}})
+    status = world.wait(lambda: (s := world.incident(ns, "llm-replay-12")["status"]).get("suspectWindow") and s,
+                        what="recovery plan recorded")
+    assert status["suspectWindow"] == {"firstStep": 9, "lastStep": 12, "range": "9-12"}
+    assert (status["resumeFrom"], status["resumeFromStep"], status["stepsAtRisk"]) == ("ckpt-8.pt", 8, 4)
+    assert status["timeline"] == timeline and status["phase"] == "Contained"

@@ -96,6 +96,26 @@ def test_incident_names_are_dns_safe_and_distinct():
     assert len(long_a) <= 63 and long_a != long_b
 
 
+def test_recovery_plan_comes_from_the_alarm_and_is_null_where_an_older_record_is_silent():
+    spec = {"step": 40, "lastGoodCheckpoint": "s3://ckpt/step-19.pt", "suspectWindow": {"firstStep": 31, "lastStep": 40},
+            "alarm": {"last_good_checkpoint_step": 19, "steps_at_risk": 21, "last_audited_step": 30,
+                      "last_weights_verified_step": 38}}
+    assert incident.recovery(spec) == {
+        "resumeFrom": "s3://ckpt/step-19.pt", "resumeFromStep": 19, "stepsAtRisk": 21,
+        "suspectWindow": {"firstStep": 31, "lastStep": 40, "range": "31-40"},
+        "lastAuditedStep": 30, "lastWeightsVerifiedStep": 38}
+    assert incident.resume_text(incident.recovery(spec)) == "s3://ckpt/step-19.pt (step 19)"
+    # steps at risk follow from the checkpoint's step when the record does not say
+    spec["alarm"] = {"last_good_checkpoint_step": 25}
+    assert incident.recovery(spec)["stepsAtRisk"] == 15
+    # an older record: nothing is guessed; values of the wrong type are dropped (the CRD wants integers)
+    old = incident.recovery({"step": 7, "lastGoodCheckpoint": None, "suspectWindow": {"firstStep": 7},
+                             "alarm": {"steps_at_risk": "many", "last_audited_step": True}})
+    assert old == {"resumeFrom": None, "resumeFromStep": None, "stepsAtRisk": None, "lastAuditedStep": None,
+                   "lastWeightsVerifiedStep": None, "suspectWindow": {"firstStep": 7, "lastStep": None, "range": "7-?"}}
+    assert incident.resume_text(old) == "no verified checkpoint"
+
+
 @pytest.mark.parametrize("path", ["deploy/crds/sdcincident.yaml", "deploy/crds/nodereplacement.yaml"])
 def test_crds_have_schema_status_and_printer_columns(path):
     crd = yaml.safe_load((ROOT / path).read_text())
@@ -107,7 +127,9 @@ def test_crds_have_schema_status_and_printer_columns(path):
     assert {"spec", "status"} <= set(props)
     if crd["spec"]["names"]["kind"] == "SDCIncident":
         assert crd["spec"]["scope"] == "Namespaced"
-        assert {"Job", "Check", "Step", "Suspects", "Phase", "Age"} <= columns
+        assert {"Job", "Check", "Step", "Suspects", "Window", "Resume-From", "At-Risk", "Phase", "Age"} <= columns
+        status = props["status"]["properties"]
+        assert {"resumeFrom", "resumeFromStep", "suspectWindow", "stepsAtRisk"} <= set(status)
     else:
         assert crd["spec"]["scope"] == "Cluster"
         assert {"Node", "Instance", "Phase", "Decision", "Age"} <= columns

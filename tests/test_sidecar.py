@@ -24,6 +24,7 @@ import pytest
 from kube_emulator import start_emulator, write_kubeconfig
 from sdcguard.contract import alarm
 from sdcguard.contract import events
+from sdcguard.contract import names
 from sdcguard.contract import spool
 from sdcguard.sidecar.publisher import Backoff
 from sdcguard.contract.stats import CheckStats
@@ -104,7 +105,7 @@ def wait_for(condition: Callable[[], Any], what: str, timeout: float = 45.0) -> 
 
 def alarm_events(kube: Any, namespace: str) -> list[Any]:
     api = kubernetes.client.CoreV1Api(kube.api_client())
-    return [e for e in api.list_namespaced_event(namespace).items if e.reason == events.REASON]
+    return [e for e in api.list_namespaced_event(namespace).items if e.reason == names.EVENT_REASON]
 
 
 def published(spool_dir: Path) -> list[str]:
@@ -138,7 +139,7 @@ def test_publishes_each_record_once_quarantines_corrupt_files_and_exports_stats(
         first = got[events.event_name(replay["id"])]
         assert first.type == "Warning" and first.source.component == "sdcguard-agent"
         assert first.involved_object.kind == "Pod" and first.involved_object.name == "llm-worker-1"
-        assert alarm.loads(first.metadata.annotations[events.ANNOTATION]) == replay
+        assert alarm.loads(first.metadata.annotations[names.ALARM_ANNOTATION]) == replay
         assert "check replay at step 40" in first.message and "\n" not in first.message
         second = got[events.event_name(reduced["id"])]
         assert second.involved_object.name == "llm-worker-0"  # no suspect: the reporter's pod
@@ -229,9 +230,9 @@ def test_records_written_while_the_api_server_is_down_are_published_once_it_retu
         ids.append("job2-weights-step40")
         spool.write_alarm(spool_dir, record(ids[-1], namespace="outage", check=alarm.CHECK_WEIGHTS, step=40))
         wait_for(lambda: len(published(spool_dir)) == 4, "the backlog to be published")
-        names = sorted(e.metadata.name for e in alarm_events(kube, "outage"))
-        assert names == sorted(events.event_name(i) for i in ids)  # none lost, none twice
-        steps = sorted(json.loads(e.metadata.annotations[events.ANNOTATION])["step"]
+        event_names = sorted(e.metadata.name for e in alarm_events(kube, "outage"))
+        assert event_names == sorted(events.event_name(i) for i in ids)  # none lost, none twice
+        steps = sorted(json.loads(e.metadata.annotations[names.ALARM_ANNOTATION])["step"]
                        for e in alarm_events(kube, "outage"))
         assert steps == [10, 20, 30, 40]
         assert sidecar.metric('sdcguard_sidecar_alarms_published_total{check="weights"}') == 4.0
@@ -281,10 +282,10 @@ def test_event_names_are_deterministic_valid_and_distinct() -> None:
 
     dns = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
     ids = ["3f2a9c1b7e4d-1-replay-step40", "A/B c", "a-b-c", "x" * 400, "--"]
-    names = [events.event_name(i) for i in ids]
-    assert names == [events.event_name(i) for i in ids]
-    assert all(dns.match(n) and len(n) <= 253 for n in names)
-    assert len(set(names)) == len(names)
+    event_names = [events.event_name(i) for i in ids]
+    assert event_names == [events.event_name(i) for i in ids]
+    assert all(dns.match(n) and len(n) <= 253 for n in event_names)
+    assert len(set(event_names)) == len(event_names)
 
 
 def test_backoff_doubles_up_to_its_ceiling_and_resets() -> None:

@@ -29,6 +29,7 @@ import kubernetes_validate
 import pytest
 
 import sdcguard_operator.webhook as webhook
+from sdcguard.contract import names
 from kube_emulator import start_emulator, write_kubeconfig
 
 pytestmark = pytest.mark.timeout(120)
@@ -148,7 +149,7 @@ def job_pod(job: str, index: int = 0, annotations: dict[str, str] | None = None)
     """A pod as the training operator creates it: job labels, controller owner, two containers."""
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {
         "name": f"{job}-worker-{index}", "namespace": "ml", "annotations": annotations or {},
-        "labels": {webhook.JOB_LABEL: job, "training.kubeflow.org/replica-type": "worker",
+        "labels": {names.JOB_NAME_LABEL: job, "training.kubeflow.org/replica-type": "worker",
                    "training.kubeflow.org/replica-index": str(index)},
         "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": job,
                              "uid": str(uuid.uuid4()), "controller": True, "blockOwnerDeletion": True}]},
@@ -193,14 +194,14 @@ def test_pod_of_an_annotated_job_gets_sidecar_spool_identity_and_settings(server
     out = apply(pod, response)
     kubernetes_validate.validate(out, K8S_VERSION, strict=True)
     spec = out["spec"]
-    assert spec["volumes"] == [{"name": webhook.SPOOL_VOLUME, "emptyDir": {}}]
+    assert spec["volumes"] == [{"name": names.SPOOL_VOLUME, "emptyDir": {}}]
     [sidecar] = spec["initContainers"]
-    assert sidecar["name"] == webhook.SIDECAR_NAME and sidecar["image"] == IMAGE
+    assert sidecar["name"] == names.SIDECAR_CONTAINER and sidecar["image"] == IMAGE
     assert sidecar["restartPolicy"] == "Always" and sidecar["args"][0] == "sidecar"
     for container in spec["containers"] + [sidecar]:
-        assert {"name": webhook.SPOOL_VOLUME, "mountPath": webhook.SPOOL_PATH} in container["volumeMounts"]
+        assert {"name": names.SPOOL_VOLUME, "mountPath": names.SPOOL_PATH} in container["volumeMounts"]
         env = env_of(container)
-        assert env["SDCGUARD_SPOOL"] == webhook.SPOOL_PATH
+        assert env["SDCGUARD_SPOOL"] == names.SPOOL_PATH
         assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
         assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
         assert env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
@@ -209,7 +210,7 @@ def test_pod_of_an_annotated_job_gets_sidecar_spool_identity_and_settings(server
         assert (env["SDCGUARD_JOB_NAME"], env["SDCGUARD_JOB_KIND"]) == ("llm", "PyTorchJob")
         assert (env["SDCGUARD_AUDIT_EVERY"], env["SDCGUARD_WEIGHT_CHECK_EVERY"]) == ("50", "5")
     assert [e["name"] for e in spec["containers"][0]["env"]].count("SDCGUARD_AUDIT_EVERY") == 1
-    assert out["metadata"]["labels"][webhook.INJECTED_LABEL] == "true"
+    assert out["metadata"]["labels"][names.INJECTED_LABEL] == "true"
     assert out["metadata"]["name"] == pod["metadata"]["name"]
 
 
@@ -261,7 +262,7 @@ def test_missing_job_fails_open_but_pod_template_annotations_still_count(server:
 
 def test_pods_that_are_not_pytorchjob_pods_are_ignored(server: WebhookOperator) -> None:
     stray = job_pod("llm", 2)
-    del stray["metadata"]["labels"][webhook.JOB_LABEL]
+    del stray["metadata"]["labels"][names.JOB_NAME_LABEL]
     assert apply(stray, server.review(stray)) == stray
     tfjob = job_pod("llm", 3)
     tfjob["metadata"]["ownerReferences"][0]["kind"] = "TFJob"

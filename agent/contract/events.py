@@ -11,11 +11,7 @@ import re
 from typing import Any, Mapping
 
 from . import alarm as _alarm
-
-REASON = "SilentDataCorruption"
-COMPONENT = "sdcguard-agent"
-ANNOTATION = "sdcguard.dev/alarm"
-CHECK_LABEL = "sdcguard.dev/check"
+from . import names
 
 _NOT_DNS = re.compile(r"[^a-z0-9-]+")
 _SLUG_MAX = 200  # a DNS subdomain may be 253 characters; leave room for prefix and digest
@@ -73,11 +69,11 @@ def build_event(
         involved = {"apiVersion": "v1", "kind": "Pod", "name": pod, "namespace": namespace}
     elif record.get("job"):
         job = record["job"]
-        involved = {"apiVersion": "kubeflow.org/v1", "kind": job["kind"], "name": job["name"],
+        involved = {"apiVersion": names.JOB_API_VERSION, "kind": job["kind"], "name": job["name"],
                     "namespace": namespace}
     else:
         raise ValueError("alarm names no pod and no job: nothing for the Event to be about")
-    source: dict[str, str] = {"component": COMPONENT}
+    source: dict[str, str] = {"component": names.EVENT_COMPONENT}
     if host:
         source["host"] = host
     return {
@@ -86,17 +82,17 @@ def build_event(
         "metadata": {
             "name": event_name(record["id"]),
             "namespace": namespace,
-            "labels": {CHECK_LABEL: _NOT_DNS.sub("-", str(record["check"]).lower())[:63].strip("-")},
-            "annotations": {ANNOTATION: _alarm.dumps(record)},
+            "labels": {names.CHECK_LABEL: _NOT_DNS.sub("-", str(record["check"]).lower())[:63].strip("-")},
+            "annotations": {names.ALARM_ANNOTATION: _alarm.dumps(record)},
         },
         "type": "Warning",
-        "reason": REASON,
+        "reason": names.EVENT_REASON,
         "message": message(record),
         "involvedObject": involved,
         "source": source,
         "firstTimestamp": record["time"],
         "lastTimestamp": record["time"],
         "count": 1,
-        "reportingComponent": COMPONENT,
-        "reportingInstance": fallback_pod or COMPONENT,
+        "reportingComponent": names.EVENT_COMPONENT,
+        "reportingInstance": fallback_pod or names.EVENT_COMPONENT,
     }

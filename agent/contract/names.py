@@ -33,6 +33,8 @@ SIDECAR_CONTAINER = "sdcguard-sidecar"
 SPOOL_VOLUME = "sdcguard-spool"
 SPOOL_PATH = "/var/run/sdcguard"
 SIDECAR_METRICS_PORT = 9464
+SIDECAR_METRICS_PORT_NAME = "sdc-metrics"
+"""The sidecar's container port name; the chart's PodMonitor scrapes it by this name."""
 ALARM_KEY_SECRET_PREFIX = "sdcguard-alarm-key-"
 ALARM_KEY_DATA_KEY = "key"
 
@@ -40,6 +42,9 @@ ALARM_KEY_DATA_KEY = "key"
 SUSPECT_LABEL = f"{GROUP}/suspect"
 INCIDENT_ANNOTATION = f"{GROUP}/incident"
 INTAKE_ANNOTATION = f"{GROUP}/intake"
+WAS_UNSCHEDULABLE_ANNOTATION = f"{GROUP}/was-unschedulable"
+INCIDENT_JOB_LABEL = f"{GROUP}/job"
+"""On each SDCIncident: the name of its job (``kubectl get sdcincidents -l sdcguard.dev/job=NAME``)."""
 
 # -- environment of the training container (set by the webhook, read by sdcguard.Config) ---------
 ENV_AUDIT_EVERY = "SDCGUARD_AUDIT_EVERY"

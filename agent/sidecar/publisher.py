@@ -32,13 +32,12 @@ from prometheus_client import CollectorRegistry
 
 from ..contract import alarm as _alarm
 from ..contract import events
+from ..contract import names
 from ..contract import spool
 from .metrics import HealthState, PublisherMetrics, RankStatsCollector, serve
 
 log = logging.getLogger("sdcguard.sidecar")
 
-DEFAULT_SPOOL = "/var/run/sdcguard"
-DEFAULT_METRICS_PORT = 9464
 PUBLISHED_DIR = "published"
 QUARANTINE_DIR = "quarantine"
 
@@ -105,8 +104,8 @@ class Identity:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "Identity":
-        return cls(env.get("POD_NAMESPACE") or "default", env.get("POD_NAME") or None,
-                   env.get("NODE_NAME") or None)
+        return cls(env.get(names.ENV_POD_NAMESPACE) or "default", env.get(names.ENV_POD_NAME) or None,
+                   env.get(names.ENV_NODE_NAME) or None)
 
 
 class Publisher:
@@ -145,7 +144,7 @@ class Publisher:
                 log.warning("sdcguard sidecar: cannot publish %s yet (%s); it stays in the spool", path.name, exc)
                 return False
             if created:
-                self.metrics.published.labels(body["metadata"]["labels"][events.CHECK_LABEL]).inc()
+                self.metrics.published.labels(body["metadata"]["labels"][names.CHECK_LABEL]).inc()
                 self.metrics.last_success.set(time.time())
                 log.info("sdcguard sidecar: published %s as Event %s/%s", path.name,
                          body["metadata"]["namespace"], body["metadata"]["name"])
@@ -244,12 +243,13 @@ def _guarded_pass(publisher: Publisher) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ
     p = argparse.ArgumentParser(prog="sdcguard sidecar", description=__doc__.split("\n")[0])
-    p.add_argument("--spool", default=env.get("SDCGUARD_SPOOL") or DEFAULT_SPOOL,
-                   help="spool directory shared with the training container (default: $SDCGUARD_SPOOL or %(default)s)")
+    p.add_argument("--spool", default=env.get(names.ENV_SPOOL) or names.SPOOL_PATH,
+                   help=f"spool directory shared with the training container (default: ${names.ENV_SPOOL} "
+                   "or %(default)s)")
     p.add_argument("--kubeconfig", default=env.get("KUBECONFIG") or None,
                    help="kubeconfig file (default: $KUBECONFIG, else the in-cluster service account)")
     p.add_argument("--metrics-host", default="0.0.0.0")
-    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="0 picks a free port")
+    p.add_argument("--metrics-port", type=int, default=names.SIDECAR_METRICS_PORT, help="0 picks a free port")
     p.add_argument("--poll-interval", type=float, default=1.0, help="seconds between spool scans")
     p.add_argument("--backoff-initial", type=float, default=0.5)
     p.add_argument("--backoff-max", type=float, default=30.0)

@@ -1,0 +1,117 @@
+"""``kubectl sdcguard incidents``: the real kubectl finds the plugin on PATH and reads the
+incidents from the Kubernetes emulator; no operator runs (the incidents are written as the
+operator writes them, including one from an older operator and one not yet opened).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import kubernetes
+import pytest
+from conftest import KUBECTL, make_alarm
+from kube_emulator import start_emulator
+
+from sdcguard_operator import kubectl_plugin
+
+COLUMNS = ["NAMESPACE", "NAME", "JOB", "CHECK", "STEP", "SUSPECTS", "WINDOW", "RESUME-FROM", "AT-RISK", "PHASE",
+           "AGE"]
+
+
+def _incident(ns: str, name: str, record: dict, status: dict | None) -> dict:
+    window = record["suspect_window"]
+    body = {"apiVersion": "sdcguard.dev/v1", "kind": "SDCIncident", "metadata": {"name": name, "namespace": ns},
+            "spec": {"job": record["job"], "check": record["check"], "step": record["step"], "ambiguous": False,
+                     "suspects": record["suspects"], "reporter": record["reporter"],
+                     "suspectWindow": {"firstStep": window["first_step"], "lastStep": window["last_step"]},
+                     "lastVerifiedStep": record["last_verified_step"],
+                     "lastGoodCheckpoint": record["last_good_checkpoint"], "alarmId": record["id"],
+                     "event": f"sdcguard-{name}", "alarm": record}}
+    if status is not None:
+        body["status"] = status
+    return body
+
+
+@pytest.fixture(scope="module")
+def kube(tmp_path_factory: pytest.TempPathFactory):
+    emulator = start_emulator(tmp_path_factory.mktemp("plugin"))
+    custom = kubernetes.client.CustomObjectsApi(emulator.api_client())
+    node = "hyperpod-i-0123456789abcdef0"
+    current = make_alarm("ml", "llm", step=4200, window=(4101, 4200), suspects=[(13, "llm-worker-3", node)],
+                         checkpoint="s3://ckpt/llm/step-4000.pt", last_good_checkpoint_step=4000, steps_at_risk=200)
+    older = make_alarm("ml", "llm", check="weights", step=300, checkpoint="s3://ckpt/llm/step-250.pt",
+                       suspects=[(2, "llm-worker-1", "hyperpod-i-0fedcba9876543210")])
+    fresh = make_alarm("research", "bert", check="nonfinite-reduced", step=5, checkpoint=None)
+    for ns, name, record, status in [
+        ("ml", "llm-replay-4200", current, {
+            "phase": "AwaitingApproval", "resumeFrom": "s3://ckpt/llm/step-4000.pt", "resumeFromStep": 4000,
+            "suspectWindow": {"firstStep": 4101, "lastStep": 4200, "range": "4101-4200"}, "stepsAtRisk": 200}),
+        ("ml", "llm-weights-300", older, {"phase": "Resolved", "resumeFrom": "s3://ckpt/llm/step-250.pt"}),
+        ("research", "bert-nonfinite-reduced-5", fresh, None),
+    ]:
+        custom.create_namespaced_custom_object("sdcguard.dev", "v1", ns, "sdcincidents",
+                                               _incident(ns, name, record, status))
+    yield emulator
+    emulator.stop()
+
+
+def _env(kube) -> dict[str, str]:
+    return {**os.environ, "KUBECONFIG": str(kube.kubeconfig), "KUBECTL": KUBECTL,
+            "PATH": f"{pathlib.Path(sys.prefix) / 'bin'}:{os.environ.get('PATH', '')}"}
+
+
+def _rows(text: str) -> list[dict[str, str]]:
+    """The table back into cells, cut at the header's column starts (cells may hold spaces)."""
+    header, *lines = text.splitlines()
+    assert header.split() == COLUMNS
+    starts = [m.start() for m in re.finditer(r"\S+", header)] + [None]
+    return [{c: line[starts[i]:starts[i + 1]].strip() for i, c in enumerate(COLUMNS)} for line in lines]
+
+
+EXPECTED = [
+    {"NAMESPACE": "ml", "NAME": "llm-replay-4200", "JOB": "llm", "CHECK": "replay", "STEP": "4200",
+     "SUSPECTS": "hyperpod-i-0123456789abcdef0", "WINDOW": "4101-4200",
+     "RESUME-FROM": "s3://ckpt/llm/step-4000.pt (step 4000)", "AT-RISK": "200", "PHASE": "AwaitingApproval"},
+    # opened by an older operator: the window from the spec, no step or risk invented
+    {"NAMESPACE": "ml", "NAME": "llm-weights-300", "JOB": "llm", "CHECK": "weights", "STEP": "300",
+     "SUSPECTS": "hyperpod-i-0fedcba9876543210", "WINDOW": "300-300", "RESUME-FROM": "s3://ckpt/llm/step-250.pt",
+     "AT-RISK": "-", "PHASE": "Resolved"},
+    # not yet opened, no suspect rank, no verified checkpoint
+    {"NAMESPACE": "research", "NAME": "bert-nonfinite-reduced-5", "JOB": "bert", "CHECK": "nonfinite-reduced",
+     "STEP": "5", "SUSPECTS": "-", "WINDOW": "5-5", "RESUME-FROM": "none", "AT-RISK": "-", "PHASE": "-"},
+]
+
+
+def test_kubectl_finds_the_plugin_and_prints_the_recovery_plan(kube) -> None:
+    done = subprocess.run([KUBECTL, "sdcguard", "incidents"], env=_env(kube), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    rows = _rows(done.stdout)
+    assert [{k: v for k, v in row.items() if k != "AGE"} for row in rows] == EXPECTED
+    assert all(row["AGE"].endswith("s") for row in rows)  # created moments ago
+
+
+def test_main_prints_the_same_table(kube, monkeypatch, capsys) -> None:
+    for key in ("KUBECONFIG", "KUBECTL", "PATH"):
+        monkeypatch.setenv(key, _env(kube)[key])
+    assert kubectl_plugin.main(["incidents"]) == 0
+    assert [{k: v for k, v in row.items() if k != "AGE"} for row in _rows(capsys.readouterr().out)] == EXPECTED
+
+
+def test_main_reports_kubectl_failures(monkeypatch, capsys, tmp_path) -> None:
+    monkeypatch.setenv("KUBECTL", KUBECTL)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    monkeypatch.setenv("PATH", f"{pathlib.Path(sys.prefix) / 'bin'}:{os.environ.get('PATH', '')}")
+    assert kubectl_plugin.main(["incidents"]) == 1
+    assert capsys.readouterr().err.startswith("kubectl sdcguard: error: ")
+
+
+def test_age_reads_like_kubectl() -> None:
+    now = datetime.datetime(2026, 1, 3, tzinfo=datetime.timezone.utc)
+    assert [kubectl_plugin.age(stamp, now) for stamp in (
+        "2026-01-02T23:59:18Z", "2026-01-02T23:50:00Z", "2026-01-02T19:00:00Z", "2025-12-30T00:00:00Z", None,
+        "yesterday")] == ["42s", "10m", "5h", "4d", "-", "-"]
