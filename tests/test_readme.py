@@ -21,6 +21,7 @@ def test_readme_example_trains_and_checkpoints(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "finished at step 39" in proc.stdout and "verified up to 39" in proc.stdout
-    assert (tmp_path / "checkpoint-19.pt.sdcguard.json").exists()
-    assert (tmp_path / "checkpoint-39.pt").exists()
+    # checkpoint steps are audit steps (checkpoint_every=20): the last one is verified
+    assert "finished at step 40" in proc.stdout and "verified up to 40" in proc.stdout, proc.stdout
+    assert (tmp_path / "checkpoint-20.pt.sdcguard.json").exists()
+    assert (tmp_path / "checkpoint-40.pt").exists()
