@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import time
 import uuid
@@ -37,7 +38,8 @@ from .checks.audit import Replayer
 from .checks.commhook import GradientRecorder, ReduceHook, record_then_reduce, squared_norm
 from .checks.determinism import check_replayable
 from .checks.exchange import DIGEST_BYTES, Incoming, agree, gather_digests, gather_objects, serialize
-from .checks.nonfinite import all_finite, gather_norms, judge_nonfinite, nonfinite_local_ranks
+from .checks.nonfinite import gather_norms, judge_nonfinite, nonfinite_local_ranks, sum_votes
+from .checks.reduce_checksum import judge_checksum
 from .checks.replay import PassResult, Payload, replaying, snapshot_buffers
 from .checks.topology import Topology, gather_topology
 from .checks.verdict import Verdict
@@ -92,7 +94,8 @@ class Guard:
         self.named_parameters = list(self.module.named_parameters())
         self.recorder: GradientRecorder | None = None
         if self.ddp is not None:
-            self.recorder = GradientRecorder([p for _, p in self.named_parameters], self.group, reduce_hook, reduce_state)
+            self.recorder = GradientRecorder([p for _, p in self.named_parameters], self.group, reduce_hook,
+                                             reduce_state, seed=self.config.seed)
             self.ddp.register_comm_hook(self.recorder, record_then_reduce)
         elif reduce_hook is not None:
             raise TypeError("reduce_hook needs a DistributedDataParallel model")
@@ -248,7 +251,7 @@ class Guard:
         self._current = s
         self._update_allowed = False
         if self.recorder is not None:
-            self.recorder.begin_step(s.audit)
+            self.recorder.begin_step(s.audit, s.step)
         self.stats.last_step = s.step
 
     def _end(self, s: Step, failed: bool) -> None:
@@ -286,32 +289,34 @@ class Guard:
         else:
             self._check_nonfinite(s, payload)
 
-    def _local_norms(self) -> torch.Tensor:
-        """``[local, reduced]`` squared gradient norms, from the comm hook (or, without DDP, the
-        gradients themselves: local and reduced are the same)."""
-        if self.recorder is not None:
-            return self.recorder.norms(self.device)
-        parts = [squared_norm(p.grad) for _, p in self.named_parameters if p.grad is not None]
-        total = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=self.device)
-        return torch.stack([total, total])
-
     def _check_solo(self, s: Step) -> None:
         """One replica: only the local non-finite check can run, and it cannot be confirmed."""
         started = time.perf_counter()
-        finite = bool(torch.isfinite(self._local_norms()).all())
+        if self.recorder is not None:
+            finite = bool(torch.isfinite(self.recorder.rows(self.device)).all())
+        else:
+            finite = all(bool(torch.isfinite(p.grad).all()) for _, p in self.named_parameters if p.grad is not None)
         self.stats.timed("nonfinite", started)
         if not finite:
             self._nonfinite_reproduced(s, {0: _first_nonfinite(s.losses)}, confirmed=False)
 
-    def _check_nonfinite(self, s: Step, payload: Payload) -> None:
-        """Checks 1a and 1b: one all-reduce of two scalars; the per-rank values are gathered only
-        when it finds something non-finite."""
+    def _check_nonfinite(self, s: Step, payload: Payload) -> bool:
+        """Checks 1a, 1b and 4: one all-reduce of two scalars (``reduce_checksum``); the per-rank
+        values are gathered only when it finds something non-finite. Returns whether every
+        gradient was finite (else the step was judged, and raised or will not be applied)."""
         started = time.perf_counter()
-        norms = self._local_norms()
-        finite = all_finite(norms, self.group)  # the common case: 16 bytes, done
+        x, y = sum_votes(self.recorder.vote(self.device), self.group)  # the common case: 16 bytes
         self.stats.timed("nonfinite", started)
-        if not finite:
-            self._judge_nonfinite(s, payload, gather_norms(norms, self.group))
+        if not (math.isfinite(x) and math.isfinite(y)):
+            self._judge_nonfinite(s, payload, gather_norms(self.recorder.rows(self.device), self.group))
+            return False
+        if self.recorder.checks_reduction:
+            started = time.perf_counter()
+            verdict = judge_checksum(x, y, self.recorder.shape())
+            self.stats.timed("reduce_checksum", started)
+            self._raise_if(s.step, verdict)
+            self.history.last_reduction_verified_step = s.step
+        return True
 
     def _judge_nonfinite(self, s: Step, payload: Payload, norms: list[list[float]]) -> bool:
         """From every rank's ``[local, reduced]`` norms: raise for check 1a (a NaN/Inf that does
@@ -351,14 +356,12 @@ class Guard:
         digest of its own pass, the weights are fingerprinted while it travels (before the
         replay, as the SPEC says), the neighbour's batch is replayed and compared locally, and one
         16-byte all-reduce says whether every rank's gradients are finite, its weights agree and
-        its replay matched. Only when not is everything gathered and judged in the SPEC's order —
-        non-finite gradients, then weights, then replays — so that neither a NaN nor a weight
-        fault is taken for a compute fault."""
+        its replay matched. Checks 1 and 4 run first, as on every step (a NaN step is not
+        replayed); only when the agreement says no are the digests gathered and judged — weights,
+        then replays — so that a weight fault is not taken for a compute fault."""
         step = s.step
-        started = time.perf_counter()
-        norms = self._local_norms()
-        finite = bool(torch.isfinite(norms).all())
-        self.stats.timed("nonfinite", started)
+        if not self._check_nonfinite(s, payload):  # checks 1 and 4 first: nothing to replay in a NaN step
+            return
         started = time.perf_counter()
         own = PassResult(list(s.loss_fps), self.recorder.fingerprints())
         own_digest = own.digest()
@@ -370,12 +373,10 @@ class Guard:
         replayed, failure = self._replay_neighbour(incoming)
         replay_digest = replayed.digest() if replayed is not None else bytes(DIGEST_BYTES)
         matched = failure is None and replay_digest == incoming.note
-        if agree(weights.digest, self.device, self.group, veto=not (finite and matched)):
+        if agree(weights.digest, self.device, self.group, veto=not matched):
             self._weights_verified(step - 1, weights)  # the weights before this step's update
             self._audited(step)
             verdict = None
-        elif self._judge_nonfinite(s, payload, gather_norms(norms, self.group)):
-            verdict = None  # an honest overflow (the scaler skips it) or a skipped step
         else:
             digests = gather_digests([weights.digest, own_digest, replay_digest], self.device, self.group)
             self._raise_if(step, self._judge_weights(step - 1, weights, [d[0] for d in digests]))

@@ -10,9 +10,11 @@ window starts (the first step whose results the fault may have touched):
   produced finite wrong values before it produced this one. Same rule as ``replay``.
 - ``weights`` — a replica's stored weights differ. Every replica was equal at the last passing
   check 3, so the window starts after the last step whose post-update weights passed it.
-- ``nonfinite-reduced`` — a fault inside the all-reduce. No check verifies a finite reduction
-  (replicas receive the same wrong sum and agree), so nothing before this alarm is cleared: the
-  window starts where this run started (the checkpoint it resumed from, or step 0).
+- ``reduce-checksum`` and ``nonfinite-reduced`` — a fault inside the all-reduce. Replicas receive
+  the same wrong sum and agree, so only check 4 clears a reduction: the window starts after the
+  last step whose check 4 passed (the step before, when it runs on every step). Without check 4
+  (a compression hook) nothing clears one: the window starts where this run started (the
+  checkpoint it resumed from, or step 0).
 
 ``last_good_checkpoint`` is the newest checkpoint taken at a step before the window (a checkpoint
 at step ``c`` holds the weights after ``c``'s update). Pure functions: unit-tested in-process.
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .contract.alarm import CHECK_NONFINITE_LOCAL, CHECK_NONFINITE_REDUCED, CHECK_REPLAY, CHECK_WEIGHTS
+from .contract.alarm import (
+    CHECK_NONFINITE_LOCAL, CHECK_NONFINITE_REDUCED, CHECK_REDUCE_CHECKSUM, CHECK_REPLAY, CHECK_WEIGHTS,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +46,8 @@ class History:
     """The last audit step whose checks 1, 2 and 3 all passed."""
     last_weights_verified_step: int | None = None
     """The last step whose weights *after its update* every replica held identically."""
+    last_reduction_verified_step: int | None = None
+    """The last step whose gradient all-reduce check 4 verified."""
     checkpoints: list[Checkpoint] = field(default_factory=list)
     """Checkpoints written (or resumed from) by this run, oldest first."""
 
@@ -58,8 +64,8 @@ def suspect_window(check: str, step: int, history: History) -> dict[str, int]:
         cleared = history.last_weights_verified_step
     elif check in (CHECK_REPLAY, CHECK_NONFINITE_LOCAL):
         cleared = history.last_audited_step
-    elif check == CHECK_NONFINITE_REDUCED:
-        cleared = None
+    elif check in (CHECK_NONFINITE_REDUCED, CHECK_REDUCE_CHECKSUM):
+        cleared = history.last_reduction_verified_step
     else:  # a check this module does not know: trust nothing this run computed
         cleared = None
     first = history.start_step if cleared is None else max(cleared + 1, history.start_step)

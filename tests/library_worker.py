@@ -6,7 +6,7 @@ Six scenarios share one launch, each writing what it saw to OUT/<scenario>-rank<
   scaler     GradScaler: an overflow that reproduces (no alarm, step skipped), then an injected
              grad-inf (alarm naming the rank), then a refused checkpoint;
   threads    unequal thread counts with audits on: a clear ConfigurationError at start-up;
-  huge       finite float64 gradients whose squared norms overflow when check 1 sums them over
+  huge       finite float64 gradients whose absolute sums overflow when check 1 sums them over
              ranks: the per-rank values must be gathered and clear them (no alarm, step applied);
   replay_fails  rank 1's loss_fn raises while it replays rank 2's batch: every rank raises the
              same ReplayError (none hangs in the audit's agreement), and the step is not applied;
@@ -17,7 +17,11 @@ Six scenarios share one launch, each writing what it saw to OUT/<scenario>-rank<
   data_inf   no GradScaler: one rank's batch makes an Inf loss wherever it is computed: the replay
              reproduces it, NonFiniteGradient on every rank, no alarm, nobody named;
   compiled   torch.compile(ddp) and DDP(torch.compile(module)) under audits on every step: no false
-             alarm, and the same weights as the eager run.
+             alarm, and the same weights as the eager run;
+  checksum   check 4 over real gloo all-reduces: adversarial-but-honest gradients (huge dynamic
+             range, cancellation across ranks, zeros, near-overflow, subnormals) in float32,
+             bfloat16 and float16 buckets raise nothing; a reduction that scales one element is
+             caught as reduce-checksum naming nobody, the step not applied.
 """
 import contextlib
 import json
@@ -184,8 +188,8 @@ def huge(rank, out):
     ddp = DistributedDataParallel(model)
     guard = sdcguard.Guard(ddp, torch.optim.SGD(model.parameters(), lr=1e-160), lambda m, c: m(c),
                            config=Config(audit_every=0, weight_check_every=0))
-    # Each rank's squared norm is 4 * (6e153)**2 = 1.44e308 (finite); three of them sum to Inf.
-    c = torch.full((4,), 6e153, dtype=torch.float64)
+    # Each rank's absolute sum is 4 * 2.5e307 = 1e308 (finite); check 1's summed vote overflows to Inf.
+    c = torch.full((4,), 2.5e307, dtype=torch.float64)
     TRAFFIC.clear()
     try:
         guard.train_step(0, c)
@@ -309,13 +313,83 @@ def compiled(rank, out):
     return results
 
 
+class Linear(nn.Module):
+    """loss = sum(w * c): the local gradient is exactly c (in the parameter's dtype)."""
+
+    def __init__(self, n, dtype):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(n, dtype=dtype))
+
+    def forward(self, c):
+        return (self.w * c).sum()
+
+
+def honest_gradients(kind, rank, n, dtype, step):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    if kind == "dynamic-range":
+        top = 4 if dtype == torch.float16 else 30
+        return torch.randn(n, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-top, top, (n,), generator=g)
+    if kind == "cancellation":
+        base = torch.randn(n, generator=torch.Generator().manual_seed(step), dtype=torch.float64) * 1e3
+        return base * (1 if rank % 2 == 0 else -1) + (torch.randn(n, generator=g, dtype=torch.float64) * 1e-3 if rank == 0 else 0)
+    if kind == "zeros":
+        return torch.zeros(n, dtype=torch.float64)
+    if kind == "near-overflow":
+        return torch.full((n,), float(torch.finfo(dtype).max) / 2, dtype=torch.float64)
+    return torch.rand(n, generator=g, dtype=torch.float64) * torch.finfo(dtype).tiny * 4  # subnormal
+
+
+def scale_one_element(factor):
+    from sdcguard.checks.commhook import allreduce_mean
+
+    def hook(group, bucket):
+        def corrupt(fut):
+            reduced = fut.value()
+            reduced[7] = reduced[7] * factor
+            return reduced
+        return allreduce_mean(group, bucket).then(corrupt)
+    hook.averages_like_ddp = True  # a mean, corrupted: what check 4 must see
+    return hook
+
+
+def checksum(rank, out):
+    seen = {"honest_alarms": [], "honest_steps": 0}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for step, kind in enumerate(("dynamic-range", "cancellation", "zeros", "near-overflow", "subnormal")):
+            model = Linear(5000, dtype)
+            ddp = DistributedDataParallel(model)
+            guard = sdcguard.Guard(ddp, torch.optim.SGD(model.parameters(), lr=0.0), lambda m, c: m(c),
+                                   config=Config(audit_every=0, weight_check_every=0))
+            c = honest_gradients(kind, rank, 5000, dtype, step).to(dtype)
+            try:
+                guard.train_step(step, c)
+                seen["honest_steps"] += 1
+            except sdcguard.SDCDetected as exc:
+                seen["honest_alarms"].append([str(dtype), kind, exc.alarm["evidence"]])
+            except sdcguard.NonFiniteGradient:
+                pass  # a mean past the type's range: check 1's case
+    model = Linear(5000, torch.float32)
+    ddp = DistributedDataParallel(model)
+    guard = sdcguard.Guard(ddp, torch.optim.SGD(model.parameters(), lr=0.5), lambda m, c: m(c),
+                           config=Config(audit_every=0, weight_check_every=0), reduce_hook=scale_one_element(1.01),
+                           reduce_state=ddp.process_group)
+    c = torch.randn(5000, generator=torch.Generator().manual_seed(rank))
+    try:
+        guard.train_step(0, c)
+        seen["corrupted"] = None
+    except sdcguard.SDCDetected as exc:
+        seen["corrupted"] = exc.alarm
+    seen["applied"] = bool((model.w != 0).any())
+    return seen
+
+
 def main(out):
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
     for name, scenario in (("clean", clean), ("scaler", scaler), ("threads", threads), ("huge", huge),
                            ("replay_fails", replay_fails), ("exchange", exchange), ("step_api", step_api),
-                           ("data_inf", data_inf), ("compiled", compiled)):
+                           ("data_inf", data_inf), ("compiled", compiled), ("checksum", checksum)):
         result = scenario(rank, out)
         with open(os.path.join(out, f"{name}-rank{rank}.json"), "w") as fh:
             json.dump(result, fh, default=str)

@@ -168,3 +168,14 @@ def test_compiled_models_replay_bit_exactly(run):
             assert r[form]["alarms"] == 0 and r[form]["audited"] == 2
         # audited steps run eagerly; the others compiled: the weights may differ from eager in
         # the last bits, but every replica agreed (check 3 ran on every step)
+
+
+def test_check4_stays_silent_on_honest_reductions_and_catches_a_scaled_element(run):
+    _, result = run
+    for r in result("checksum"):
+        assert r["honest_alarms"] == [] and r["honest_steps"] >= 12
+        alarm = r["corrupted"]
+        assert alarm is not None and alarm["check"] == "reduce-checksum"
+        assert alarm["suspect_ranks"] == [] and alarm["evidence"]["exceeds_bound_by"] > 1
+        assert alarm["suspect_window"] == {"first_step": 0, "last_step": 0}
+        assert r["applied"] is False

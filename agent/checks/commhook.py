@@ -1,12 +1,13 @@
 """The DDP communication hook that looks at each rank's local gradient before it is averaged.
 
 Once the all-reduce has run, every replica holds the same average and a bad rank can no longer be
-told apart, so what checks 1a and 2 need is recorded here, per bucket, on the way in:
-  - the squared norm of the local gradient (check 1a: summed over ranks by one all-reduce, and
-    gathered per rank only when something is not finite);
+told apart, so what checks 1a, 2 and 4 need is recorded here, per bucket, on the way in:
+  - the local gradient's weighted checksum and absolute sum (``reduce_checksum``): check 4
+    compares their mean over ranks with the same checksum of the reduced gradient, and the sums
+    are finite exactly when the gradient is (check 1a);
   - on audit steps, each parameter's local-gradient fingerprint (check 2 compares them with a
     replay on another node);
-and on the way out, the squared norm of the reduced gradient (check 1b).
+and on the way out, the reduced gradient's checksum and absolute sum (checks 4 and 1b).
 
 The reduction itself is delegated to an inner hook (plain all-reduce by default), so sdcguard
 composes with compression hooks and the drill can put a fault inside the all-reduce.
@@ -18,6 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from ..fingerprint import Fingerprint, fingerprint_sums, to_fingerprints
+from .reduce_checksum import ROWS, ChecksumWeights, Shape
 
 __all__ = ["GradientRecorder", "record_then_reduce", "allreduce_mean", "squared_norm"]
 
@@ -28,8 +30,8 @@ class GradientRecorder:
     """State of :func:`record_then_reduce`: settings first, then what one step recorded."""
 
     __slots__ = (
-        "inner_hook", "inner_state", "param_index",
-        "audit", "local_sq", "reduced_sq", "pending",
+        "inner_hook", "inner_state", "param_index", "weights", "checks_reduction", "world",
+        "audit", "local", "reduced", "shapes", "pending",
     )
 
     def __init__(
@@ -38,33 +40,66 @@ class GradientRecorder:
         process_group: dist.ProcessGroup | None = None,
         inner_hook: ReduceHook | None = None,
         inner_state: Any = None,
+        seed: int = 0,
     ) -> None:
         # Settings.
         self.inner_hook: ReduceHook = inner_hook or allreduce_mean
         self.inner_state = inner_state if inner_hook else process_group
         self.param_index = {id(p): i for i, p in enumerate(parameters)}
+        self.weights = ChecksumWeights(seed)
+        self.checks_reduction = bool(getattr(self.inner_hook, "averages_like_ddp", False))
+        """Check 4 runs: the reduction is DDP's mean (a compression hook changes the sum)."""
+        self.world = dist.get_world_size(process_group)
         # Per-step records, keyed by bucket index: buckets may finish on another thread, and a
         # dict item assignment needs no lock where a running sum would.
         self.audit = False
-        self.local_sq: dict[int, torch.Tensor] = {}
-        self.reduced_sq: dict[int, torch.Tensor] = {}
+        self.local: dict[int, torch.Tensor] = {}
+        """bucket -> ``[checksum, absolute sum]`` of this rank's local gradient."""
+        self.reduced: dict[int, torch.Tensor] = {}
+        """bucket -> the same of the reduced gradient."""
+        self.shapes: dict[int, tuple[int, int, torch.dtype]] = {}
+        """bucket -> (elements, weight-table length, dtype), for check 4's bound."""
         # Per bucket: (parameter indices, their fingerprint sums still on the device) — turned
         # into numbers after the backward pass, so the hook never waits for the device.
         self.pending: dict[int, tuple[list[int], torch.Tensor]] = {}
 
-    def begin_step(self, audit: bool) -> None:
+    def begin_step(self, audit: bool, step: int = 0) -> None:
         """Forget the previous step; record fingerprints only when this step is audited."""
         self.audit = audit
-        self.local_sq = {}
-        self.reduced_sq = {}
+        self.weights.begin_step(step)
+        self.local = {}
+        self.reduced = {}
+        self.shapes = {}  # DDP rebuilds its buckets after the first step: record them anew
         self.pending = {}
 
-    def norms(self, device: torch.device) -> torch.Tensor:
-        """``[local, reduced]`` squared gradient norms of this step, float64, on ``device``."""
-        if self.local_sq and len(self.local_sq) == len(self.reduced_sq):  # one entry per bucket
-            both = torch.stack([*self.local_sq.values(), *self.reduced_sq.values()])
-            return both.view(2, -1).sum(dim=1).to(device)
-        return torch.stack([_total(self.local_sq, device), _total(self.reduced_sq, device)])
+    def vote(self, device: torch.device) -> torch.Tensor:
+        """This rank's ``[x, y]`` for check 1's all-reduce (see ``reduce_checksum``): summed over
+        ranks, X is check 4's checksum difference and Y its operands' size, finite exactly when
+        every local and reduced gradient is."""
+        local, reduced = self._totals(device)
+        if not self.local:
+            return torch.zeros(2, dtype=torch.float64, device=device)
+        return torch.stack([(local[0] - reduced[0]) / self.world, (local[1] + reduced[1]) / self.world])
+
+    def rows(self, device: torch.device) -> torch.Tensor:
+        """``[local, reduced]`` absolute sums of this rank's gradient: the per-rank values check 1
+        gathers when something is not finite."""
+        local, reduced = self._totals(device)
+        return torch.stack([local[1], reduced[1]])
+
+    def _totals(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.local:
+            zero = torch.zeros(2, dtype=torch.float64, device=device)
+            return zero, zero
+        if len(self.local) != len(self.reduced):
+            raise RuntimeError("sdcguard: a bucket's all-reduce has not completed")
+        both = torch.stack([*self.local.values(), *self.reduced.values()]).to(device)
+        return both[: len(self.local)].sum(dim=0), both[len(self.local):].sum(dim=0)
+
+    def shape(self) -> Shape:
+        return Shape(world=self.world, buckets=len(self.shapes), elements=sum(n for n, _, _ in self.shapes.values()),
+                     longest_fold=max((f for _, f, _ in self.shapes.values()), default=0),
+                     dtypes=tuple(sorted({d for _, _, d in self.shapes.values()}, key=str)))
 
     def record_fingerprints(self, bucket: dist.GradBucket) -> None:
         indices = [self.param_index[id(param)] for param in bucket.parameters()]
@@ -81,23 +116,27 @@ class GradientRecorder:
 def record_then_reduce(
     state: GradientRecorder, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """Record the local gradient's norm (and fingerprints on audit steps), then reduce."""
+    """Record the local gradient's checksum terms (and fingerprints on audit steps), reduce, and
+    record the reduced gradient's terms."""
     index = bucket.index()
-    state.local_sq[index] = squared_norm(bucket.buffer())
+    buffer = bucket.buffer()
+    state.local[index] = state.weights.terms(index, buffer)
+    n = buffer.numel()
+    state.shapes[index] = (n, n // ROWS + n % ROWS, buffer.dtype)
     if state.audit:
         state.record_fingerprints(bucket)
 
     if state.inner_hook is allreduce_mean:  # the common case: one callback, not two
         def record_mean(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             reduced = fut.value()[0]
-            state.reduced_sq[index] = squared_norm(reduced)
+            state.reduced[index] = state.weights.terms(index, reduced)
             return reduced
 
-        return _launch_mean(state.inner_state, bucket.buffer()).then(record_mean)
+        return _launch_mean(state.inner_state, buffer).then(record_mean)
 
     def record_reduced(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         reduced = fut.value()
-        state.reduced_sq[index] = squared_norm(reduced)
+        state.reduced[index] = state.weights.terms(index, reduced)
         return reduced
 
     return state.inner_hook(state.inner_state, bucket).then(record_reduced)
@@ -110,6 +149,9 @@ def allreduce_mean(
     so a run under sdcguard is bit-identical to the same run without it. (PyTorch's Python
     ``allreduce_hook`` divides instead, which rounds differently.)"""
     return _launch_mean(process_group, bucket.buffer()).then(lambda fut: fut.value()[0])
+
+
+allreduce_mean.averages_like_ddp = True  # type: ignore[attr-defined]  # check 4 applies
 
 
 def _launch_mean(process_group: dist.ProcessGroup | None, buffer: torch.Tensor) -> torch.futures.Future[list[torch.Tensor]]:
@@ -134,7 +176,3 @@ def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(tensor, 2, dtype=wide).double().square()
 
 
-def _total(parts: dict[int, torch.Tensor], device: torch.device) -> torch.Tensor:
-    if not parts:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack([p.to(device) for p in parts.values()]).sum()

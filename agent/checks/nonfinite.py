@@ -1,12 +1,10 @@
 """Checks 1a and 1b: a NaN or Inf gradient, found before the optimizer applies it.
 
-An ordinary step costs one all-reduce (sum) of two float64 scalars — ``[local, reduced]`` squared
-gradient norms — whatever the model size and the world size: the sums are finite exactly when
-every rank's norms are (or, rarely, when finite norms overflowed the sum). Only then are the
-per-rank values all-gathered, to name the ranks and to tell an overflowed sum from a real NaN.
-(On an audit step each rank checks its own norms and vetoes the audit's one agreement instead;
-see ``Guard._audit``.) Every rank sees the same sums and the same rows, so every rank reaches the
-same verdict.
+An ordinary step costs one all-reduce (sum) of two float64 scalars — check 4's ``[x, y]`` vote
+(``reduce_checksum``), whose sum Y is finite exactly when every rank's local and reduced gradient
+is — whatever the model size and the world size. Only when it is not are the per-rank
+``[local, reduced]`` absolute sums all-gathered, to name the ranks. Every rank sees the same sums
+and the same rows, so every rank reaches the same verdict.
 """
 from __future__ import annotations
 
@@ -20,21 +18,22 @@ from .exchange import TRAFFIC, gather_tensor
 from .verdict import Verdict
 
 
-def all_finite(norms: torch.Tensor, group: dist.ProcessGroup | None = None) -> bool:
-    """Whether the sum over ranks of ``norms`` is finite (one 16-byte all-reduce).
+def sum_votes(vote: torch.Tensor, group: dist.ProcessGroup | None = None) -> tuple[float, float]:
+    """``(X, Y)``: every rank's ``[x, y]`` summed (one 16-byte all-reduce).
 
-    An all-reduce rather than an all-gather: on gloo a 16-byte all-gather among 3 ranks took
-    685 us (p90 4.2 ms) against 340 us (p90 0.46 ms) for the all-reduce, and its input grows
-    with nothing."""
-    TRAFFIC["norms"] += norms.numel() * norms.element_size()
-    total = norms.clone()
+    An all-reduce of two elements rather than an all-gather: on gloo a 16-byte all-gather among 3
+    ranks took 685 us (p90 4.2 ms) against 340 us (p90 0.46 ms) for the all-reduce, and its input
+    grows with nothing."""
+    TRAFFIC["norms"] += vote.numel() * vote.element_size()
+    total = vote.clone()
     dist.all_reduce(total, group=group)
-    return all(math.isfinite(x) for x in total.tolist())
+    x, y = total.tolist()
+    return x, y
 
 
-def gather_norms(norms: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[list[float]]:
+def gather_norms(rows: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[list[float]]:
     """All ranks' ``[local, reduced]`` rows, indexed by rank."""
-    return gather_tensor(norms, group, "norms").tolist()
+    return gather_tensor(rows, group, "norms").tolist()
 
 
 def nonfinite_local_ranks(norms: list[list[float]]) -> list[int]:
@@ -48,14 +47,14 @@ def judge_nonfinite(norms: list[list[float]]) -> Verdict | None:
         return Verdict(
             CHECK_NONFINITE_LOCAL,
             suspects=local_bad,
-            evidence={"local_grad_sq_norms": {r: norms[r][0] for r in local_bad}},
+            evidence={"local_grad_abs_sums": {r: norms[r][0] for r in local_bad}},
         )
     reduced_bad = [r for r, row in enumerate(norms) if not math.isfinite(row[1])]
     if reduced_bad:
         return Verdict(
             CHECK_NONFINITE_REDUCED,
             evidence={
-                "reduced_grad_sq_norm": norms[reduced_bad[0]][1],
+                "reduced_grad_abs_sum": norms[reduced_bad[0]][1],
                 "ranks_seeing_it": reduced_bad,
             },
         )

@@ -17,7 +17,8 @@ CHECK_NONFINITE_LOCAL = "nonfinite-local"
 CHECK_NONFINITE_REDUCED = "nonfinite-reduced"
 CHECK_REPLAY = "replay"
 CHECK_WEIGHTS = "weights"
-CHECKS = (CHECK_NONFINITE_LOCAL, CHECK_NONFINITE_REDUCED, CHECK_REPLAY, CHECK_WEIGHTS)
+CHECK_REDUCE_CHECKSUM = "reduce-checksum"
+CHECKS = (CHECK_NONFINITE_LOCAL, CHECK_NONFINITE_REDUCED, CHECK_REPLAY, CHECK_WEIGHTS, CHECK_REDUCE_CHECKSUM)
 
 REQUIRED_FIELDS = (
     "schema", "id", "time", "job", "check", "step", "suspect_ranks", "suspects", "ambiguous",
