@@ -1,0 +1,147 @@
+"""examples/gpt under torchrun (3 gloo ranks): the nanoGPT-style script ported to sdcguard.
+
+Four launches, shared by the tests (each ~12-20 s on this 2-core machine):
+  clean     train.py, 12 steps, audit every 3, weight check every 2, eval + checkpoint at step 6;
+  plain     train_plain.py (no sdcguard), the same flags: its weights must be bit-identical;
+  faults    train.py resumed from clean's checkpoint at step 6 to 10, with --keep-going and, in turn,
+            grad-bitflip on rank 1 at step 6 (an audit), forward-nan on rank 0 at step 7, an Inf
+            loss weight in rank 1's data at step 8, weight-bitflip on rank 2 before step 9;
+  compiled  train.py --compile (DDP around torch.compile, as nanoGPT), audits on; ~25 s with a
+            warm inductor cache (/tmp/torchinductor_$USER), ~55 s cold.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "gpt"
+RANKS = 3
+COMMON = ["--steps", "12", "--audit-every", "3", "--weight-check-every", "2", "--eval-interval", "6",
+          "--always-save", "--dropout", "0", "--accum", "2", "--grad-clip", "1.0"]
+
+
+def launch(script, out, *flags, expect_rc=0):
+    """One torchrun job; returns every rank's result file and the spool's alarm records."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONSAFEPATH": "1", "SDCGUARD_SPOOL": str(out / "spool")}
+    for var in ("SDCGUARD_AUDIT_EVERY", "SDCGUARD_WEIGHT_CHECK_EVERY"):
+        env.pop(var, None)  # the flags below must decide
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
+         str(EXAMPLE / script), "--out", str(out), *flags],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert proc.returncode == expect_rc, proc.stdout[-4000:] + proc.stderr[-8000:]
+    results = [json.loads((out / f"result-rank{r}.json").read_text()) for r in range(RANKS)]
+    alarms = [json.loads(p.read_text()) for p in sorted((out / "spool").glob("*.alarm.json"))]
+    stats = [json.loads((out / "spool" / "stats" / f"rank-{r}.json").read_text())
+             for r in range(RANKS)] if (out / "spool" / "stats").is_dir() else None
+    return {"out": out, "results": results, "alarms": alarms, "stats": stats, "stdout": proc.stdout}
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    return launch("train.py", tmp_path_factory.mktemp("clean"), *COMMON)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    return launch("train_plain.py", tmp_path_factory.mktemp("plain"), *COMMON)
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory, clean):
+    return launch(
+        "train.py", tmp_path_factory.mktemp("faults"), *COMMON, "--steps", "10", "--keep-going",
+        "--resume", str(clean["out"] / "ckpt.pt"),
+        "--inject", "grad-bitflip:rank=1:step=6", "--inject", "forward-nan:rank=0:step=7",
+        "--inf-sample-step", "8", "--inf-sample-rank", "1", "--inject", "weight-bitflip:rank=2:step=9",
+    )
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    # no evaluation: eval mode would compile a second graph (~15 s here)
+    return launch("train.py", tmp_path_factory.mktemp("compiled"), *COMMON, "--eval-interval", "0", "--compile")
+
+
+def _same_weights_everywhere(run):
+    digests = {r["weights_digest"] for r in run["results"]}
+    assert len(digests) == 1, digests
+    return digests.pop()
+
+
+def test_clean_run_raises_no_false_alarm(clean):
+    for r in clean["results"]:
+        assert (r["alarms"], r["errors"], r["final_step"]) == ([], [], 12)
+    assert clean["alarms"] == []
+    _same_weights_everywhere(clean)
+    for s in clean["stats"]:  # the checks did run: audits at 0, 3, 6, 9; weights at every even step
+        assert s["checks"]["replay"]["runs"] == 4
+        assert s["checks"]["weights"]["runs"] >= 6
+        assert s["last_verified_step"] == 9
+    manifest = json.loads((clean["out"] / "ckpt.pt.sdcguard.json").read_text())
+    assert (manifest["step"], manifest["audited_step"], manifest["verified"]) == (5, 3, True)
+
+
+def test_weights_are_bitwise_those_of_the_plain_loop(clean, plain):
+    # dropout off, 2 micro-batches with no_sync, clipping, AdamW, warm-up + cosine, a disabled
+    # GradScaler: the same arithmetic, so the same bits (and the same losses on the way)
+    assert _same_weights_everywhere(clean) == _same_weights_everywhere(plain)
+    for guarded, unguarded in zip(clean["results"], plain["results"]):
+        assert guarded["losses"] == unguarded["losses"] and guarded["evals"] == unguarded["evals"]
+
+
+def test_checkpoint_loads_standalone_in_the_users_format(clean):
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        from model import GPT, GPTConfig
+    finally:
+        sys.path.remove(str(EXAMPLE))
+    import sdcguard
+    import torch
+
+    raw = torch.load(clean["out"] / "ckpt.pt", weights_only=True)
+    state = sdcguard.load_checkpoint(clean["out"] / "ckpt.pt", GPT(GPTConfig(**raw["model_args"])))
+    assert set(state) == {"model", "optimizer", "model_args", "iter_num", "best_val_loss", "config"}
+    assert state["iter_num"] == 6 and state["config"]["steps"] == 12
+
+
+def test_resume_continues_from_the_checkpoint(clean, faults):
+    for before, after in zip(clean["results"], faults["results"]):
+        assert after["first_step"] == 6 and after["final_step"] == 10
+        assert after["evals"]["6"] == before["evals"]["6"]  # the restored weights, bit for bit
+        assert after["checkpoints"] == [6]                  # re-saved before any alarm
+    # (the final weights differ from clean's in the last bits, with or without sdcguard: DDP's
+    # first iteration reduces one bucket of every gradient, later ones the rebuilt buckets)
+
+
+def test_injected_faults_are_caught_by_the_right_check_naming_the_rank(faults):
+    expected = [("replay", 6, [1]), ("nonfinite-local", 7, [0]), ("weights", 9, [2])]
+    for r in faults["results"]:
+        assert [(a["check"], a["step"], a["suspect_ranks"]) for a in r["alarms"]] == expected
+    assert sorted((a["check"], a["step"], a["suspect_ranks"]) for a in faults["alarms"]) == sorted(expected)
+    # none of steps 6-8 passed check 3 (each raised first), so every window opens at step 6
+    assert {(a["suspect_window"]["first_step"], a["last_good_checkpoint_step"]) for a in faults["alarms"]} == {(6, 5)}
+
+
+def test_data_caused_inf_stops_every_rank_without_an_alarm(faults):
+    for r in faults["results"]:
+        [error] = [e for e in r["errors"] if e["step"] == 8]
+        assert error["type"] == "NonFiniteGradient"
+        assert error["ranks"] == {"1": 0} and error["confirmed"] is True  # reproduced by a replay
+    assert 8 not in {a["step"] for a in faults["alarms"]}  # no alarm record: nobody is named
+
+
+def test_compiled_run_is_clean_with_audits(compiled):
+    for r in compiled["results"]:
+        assert r["model"] == "OptimizedModule"
+        assert (r["alarms"], r["errors"], r["final_step"]) == ([], [], 12)
+    assert compiled["alarms"] == []
+    _same_weights_everywhere(compiled)
+    for s in compiled["stats"]:  # audit steps run eagerly, the others compiled
+        assert s["checks"]["replay"]["runs"] == 4 and s["last_verified_step"] == 9
