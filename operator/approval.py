@@ -2,8 +2,10 @@
 
 Approved and Denied are separate, mutually exclusive, one-way decisions.  A person sets
 ``spec.decision`` (with ``kubectl sdcguard approve|deny`` or a plain ``kubectl patch``); the
-operator copies the first decision it sees into the status with who decided and why, and ignores
-any later change of ``spec.decision``.  Denied is checked first and is terminal.
+admission webhook (:mod:`.admission`) lets only holders of the ``approve`` verb do so and records
+who they are, as the API server authenticated them, in ``spec.decidedBy`` / ``decidedByGroups``.
+The operator copies the first decision it sees into the status with who decided and why, and
+ignores any later change of ``spec.decision``.  Denied is checked first and is terminal.
 """
 from __future__ import annotations
 
@@ -26,22 +28,22 @@ def requested(spec: dict[str, Any]) -> str | None:
     return value if value in DECISIONS else None
 
 
-def who(spec: dict[str, Any], metadata: dict[str, Any]) -> str:
-    """Who decided: spec.decidedBy (the plugin sets it), else the field manager that set spec.decision."""
+UNATTRIBUTED = "unknown (no admission record: is the sdcguard NodeReplacement webhook installed?)"
+
+
+def who(spec: dict[str, Any]) -> tuple[str, list[str]]:
+    """Who decided, as admission recorded it (username, groups); never a client's own claim."""
     if spec.get("decidedBy"):
-        return str(spec["decidedBy"])
-    for entry in metadata.get("managedFields") or []:
-        if "f:decision" in str(entry.get("fieldsV1", {})):
-            return f"{entry.get('manager', 'unknown')} (field manager)"
-    return "unknown (spec.decidedBy not set)"
+        return str(spec["decidedBy"]), [str(g) for g in spec.get("decidedByGroups") or []]
+    return UNATTRIBUTED, []
 
 
 def record(name: str, body: dict[str, Any], decision: str) -> dict[str, Any]:
     """Record the decision in status once (condition Approved or Denied, reason = how, message = who/why)."""
-    spec, metadata = body.get("spec") or {}, body.get("metadata") or {}
-    by, why = who(spec, metadata), spec.get("decisionReason") or ""
+    spec = body.get("spec") or {}
+    (by, groups), why = who(spec), spec.get("decisionReason") or ""
     message = f"{decision.lower()} by {by}" + (f": {why}" if why else "")
     return kube.record(names.REPLACEMENTS, None, name, decision, message,
-                       decision={"decision": decision, "by": by, "reason": why, "time": kube.now()},
-                       conditions=[kube.condition(decision, True, "KubectlSdcguard" if spec.get("decidedBy") else
-                                                  "SpecDecision", message)]).get("status") or {}
+                       decision={"decision": decision, "by": by, "groups": groups, "reason": why, "time": kube.now()},
+                       conditions=[kube.condition(decision, True, "AdmissionUserInfo" if spec.get("decidedBy") else
+                                                  "NotAttributed", message)]).get("status") or {}

@@ -8,7 +8,7 @@ import kopf
 
 from sdcguard.contract import names
 
-from . import incident, intake, kube, metrics, replacement
+from . import alarm_keys, incident, intake, kube, metrics, replacement
 from .settings import Settings
 
 SETTINGS = Settings.from_env()
@@ -31,6 +31,17 @@ def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any)
 @kopf.on.login()
 def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+def _wants_key(annotations: kopf.Annotations, namespace: str | None, **_: Any) -> bool:
+    return alarm_keys.job_enabled(annotations) and (not SETTINGS.namespaces or namespace in SETTINGS.namespaces)
+
+
+@kopf.on.event(names.JOB_GROUP, names.JOB_VERSION, names.JOB_PLURAL, when=_wants_key)
+def job_alarm_key(body: kopf.Body, type: str | None, logger: logging.Logger, **_: Any) -> None:
+    """Every enabled PyTorchJob, also those listed at start-up (type None), gets its alarm key."""
+    if type != "DELETED":
+        alarm_keys.ensure(dict(body), logger)
 
 
 @kopf.on.create("v1", "events", **ALARM_FILTER, backoff=SETTINGS.retry_seconds, retries=20)

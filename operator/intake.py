@@ -1,8 +1,11 @@
 """Alarm intake: an Event with reason SilentDataCorruption becomes an SDCIncident, or is rejected.
 
-A rejection is logged with its reason, counted, reported as a Warning Event (on the operator's pod
-when it knows it, else on the alarm Event's involved pod) and touches nothing else.  The outcome is written to the
-alarm Event's ``sdcguard.dev/intake`` annotation.
+The signature comes first (:mod:`.signing`): an unsigned Event, or one whose signature does not
+match under the named job's key, is rejected before anything else is read or written (parsing the
+record, which names the job, is the only step before it). A rejection is logged with its reason,
+counted, reported as a Warning Event (on the operator's pod when it knows it, else on the alarm
+Event's involved pod) and touches nothing else.  The outcome is written to the alarm Event's
+``sdcguard.dev/intake`` annotation.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from typing import Any
 
 import kopf
 
-from . import incident, metrics, validate
+from . import incident, metrics, signing, validate
 from .settings import Settings
 
 
@@ -42,7 +45,10 @@ def handle(event: dict[str, Any], settings: Settings, logger: logging.Logger | l
 def _handle(event: dict[str, Any], settings: Settings, logger: logging.Logger | logging.LoggerAdapter) -> str:
     event_name = event["metadata"]["name"]
     try:
+        signature = signing.presented(event, settings, logger)
         record = validate.parse(event, settings)
+        if signature is not None:
+            signing.verify(record, validate.annotation(event), signature)
         namespace, name = record["job"]["namespace"], incident.incident_name(record)
         if incident.find(namespace, name) is not None:  # a duplicate: the fault was validated already
             incident.join(namespace, name, record["id"], event_name)

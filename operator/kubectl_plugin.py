@@ -4,18 +4,21 @@ Installed as the console script ``kubectl-sdcguard`` (kubectl finds plugins on P
 the real ``kubectl`` (``$KUBECTL``, else ``kubectl`` on PATH), so the user's kubeconfig, context
 and credentials apply unchanged:
 
-    kubectl sdcguard approve NAME [--reason TEXT]   # spec.decision=Approved, who and why recorded
+    kubectl sdcguard approve NAME [--reason TEXT]   # spec.decision=Approved, and why
     kubectl sdcguard deny NAME [--reason TEXT]      # spec.decision=Denied: the node is uncordoned
     kubectl sdcguard incidents                      # every SDCIncident, newest last, with where to
                                                     # resume from and how many steps are at risk
     kubectl sdcguard history                        # nodes / instances by number of incidents
+
+It sends no identity: who decided is what the API server authenticated, recorded by sdcguard's
+admission webhook in ``spec.decidedBy`` (deciding needs the RBAC verb ``approve``, ClusterRole
+``sdcguard-approver``); the plugin prints that record from the API server's answer.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import datetime
-import getpass
 import json
 import os
 import subprocess
@@ -37,25 +40,24 @@ def kubectl(*args: str) -> str:
     return result.stdout
 
 
-def whoami() -> str:
-    """The kubeconfig user of the current context, and the local login, e.g. ``alice (kube: admin)``."""
-    try:
-        kube_user = kubectl("config", "view", "--minify", "-o", "jsonpath={.contexts[0].context.user}").strip()
-    except PluginError:
-        kube_user = ""
-    local = getpass.getuser()
-    return f"{local} (kube: {kube_user})" if kube_user else local
-
-
-def decide(name: str, decision: str, reason: str, by: str | None) -> str:
+def decide(name: str, decision: str, reason: str) -> str:
     body = json.loads(kubectl("get", names.REPLACEMENTS, name, "-o", "json"))
     already = ((body.get("status") or {}).get("decision") or {}).get("decision") or (body.get("spec") or {}).get("decision")
     if already:
         raise PluginError(f"nodereplacement {name} is already {already}: decisions are final")
-    patch = {"spec": {"decision": decision, "decidedBy": by or whoami(), "decisionReason": reason}}
-    kubectl("patch", names.REPLACEMENTS, name, "--type=merge", "-p", json.dumps(patch))
-    node = (body.get("spec") or {}).get("nodeName")
-    return f"nodereplacement {name} ({node}) {decision.lower()}"
+    patch = {"spec": {"decision": decision, "decisionReason": reason}}
+    stored = json.loads(kubectl("patch", names.REPLACEMENTS, name, "--type=merge", "-p", json.dumps(patch),
+                                "-o", "json"))
+    spec = stored.get("spec") or {}
+    return f"nodereplacement {name} ({spec.get('nodeName')}) {decision.lower()} {decider(spec)}"
+
+
+def decider(spec: dict[str, Any]) -> str:
+    """Who the API server says decided, from the stored object."""
+    if not spec.get("decidedBy"):
+        return "(the API server recorded no decider: is the sdcguard NodeReplacement webhook installed?)"
+    groups = [g for g in spec.get("decidedByGroups") or [] if g != "system:authenticated"]
+    return f"by {spec['decidedBy']}" + (f" (groups: {', '.join(groups)})" if groups else "")
 
 
 def incidents() -> list[dict[str, Any]]:
@@ -147,13 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(verb, help=f"{verb} a NodeReplacement (final)")
         p.add_argument("name")
         p.add_argument("--reason", default="", help="why (recorded in the status)")
-        p.add_argument("--by", default=None, help="who (default: local user and kubeconfig user)")
     sub.add_parser("incidents", help="list SDCIncidents")
     sub.add_parser("history", help="nodes and instances by number of incidents")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.command in ("approve", "deny"):
-            print(decide(args.name, "Approved" if args.command == "approve" else "Denied", args.reason, args.by))
+            print(decide(args.name, "Approved" if args.command == "approve" else "Denied", args.reason))
         elif args.command == "incidents":
             print(incidents_table())
         else:

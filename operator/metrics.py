@@ -6,6 +6,11 @@ import prometheus_client as prom
 ALARMS_ACCEPTED = prom.Counter("sdcguard_alarms_accepted_total",
                                "Alarm Events accepted, by outcome (new incident or joined a duplicate)", ["outcome"])
 ALARMS_REJECTED = prom.Counter("sdcguard_alarms_rejected_total", "Alarm Events rejected, by reason", ["reason"])
+ALARMS_UNSIGNED = prom.Counter("sdcguard_alarms_unsigned_accepted_total",
+                               "Unsigned alarm Events let through because SDCGUARD_REQUIRE_SIGNED_ALARMS=false")
+ALARM_KEYS = prom.Counter("sdcguard_alarm_keys_created_total", "Per-job alarm-key Secrets created")
+ADMISSION = prom.Counter("sdcguard_nodereplacement_admission_total",
+                         "NodeReplacement admission reviews, by outcome (allowed, decided, denied reason)", ["outcome"])
 INCIDENTS = prom.Counter("sdcguard_incidents_total", "SDCIncidents opened", ["check"])
 NODES_CORDONED = prom.Counter("sdcguard_nodes_cordoned_total", "Nodes cordoned and labelled suspect")
 STORM_GUARD_HOLDS = prom.Counter("sdcguard_storm_guard_holds_total",

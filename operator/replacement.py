@@ -5,6 +5,14 @@ call writes an intent into the status before it is made and its outcome right af
 operator that finds an intent without an outcome asks DescribeClusterNode whether the call took
 effect instead of calling again.  Nothing sleeps: "not yet" is a kopf.TemporaryError with a delay
 (or the next timer tick), and the attempt count lives in the status.
+
+The target — node, instance, cluster, instance group — is written into ``status.target`` from the
+operator's own localization right after the object is created, and every action uses that record,
+never the spec: the spec is only compared with it. A spec whose target differs fails the
+replacement (``TargetChanged``) before anything is replaced (the webhook and the CRD's CEL rules
+forbid the change; this holds even where neither runs). An object without a recorded target (not
+created by the operator, or created just before a crash) is left alone until :func:`ensure`
+records one.
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ from .localize import Location
 from .settings import Settings
 
 TERMINAL = ("Replaced", "Failed", "Denied")
+TARGET_FIELDS = ("nodeName", "instanceId", "clusterName", "instanceGroup")
 WAIT_CODES = {"InstanceIdInUse", "InvalidInstanceStatus"}
 REPLACING_STATUSES = {"ShuttingDown", "Pending", "NotFound"}
 
@@ -30,22 +39,39 @@ def is_open(status: dict[str, Any], **_: Any) -> bool:
     return status.get("phase") not in TERMINAL
 
 
+def target_of(node: str, where: Location) -> dict[str, str]:
+    """The target as the operator localized it (no instanceGroup key when the group is unknown)."""
+    target = {"nodeName": node, "instanceId": where.instance_id, "clusterName": where.cluster}
+    if where.instance_group:
+        target["instanceGroup"] = where.instance_group
+    return target
+
+
+def spec_target(spec: dict[str, Any]) -> dict[str, Any]:
+    return {f: spec[f] for f in TARGET_FIELDS if spec.get(f) is not None}
+
+
 def ensure(node: str, where: Location, incident_ref: str) -> str:
-    """The open NodeReplacement of this node and instance, created if needed (never two at once)."""
+    """The open NodeReplacement of this node and instance, created if needed (never two at once),
+    with its target recorded in the status."""
+    target = target_of(node, where)
     for n in itertools.count(1):
         name = node if n == 1 else f"{node}-{n}"
         body = {"apiVersion": names.API_VERSION, "kind": "NodeReplacement", "metadata": {"name": name},
-                "spec": {"nodeName": node, "instanceId": where.instance_id, "clusterName": where.cluster,
-                         "instanceGroup": where.instance_group, "incidents": [incident_ref]}}
+                "spec": {**target, "incidents": [incident_ref]}}
         try:
             kube.custom().create_cluster_custom_object(names.GROUP, names.VERSION, names.REPLACEMENTS, body)
+            _record_target(name, target)
             return name
         except Exception as exc:
             if not kube.conflict(exc):
                 raise
         existing = kube.get_replacement(name)
-        same = existing["spec"].get("instanceId") == where.instance_id
-        if same and (existing.get("status") or {}).get("phase") not in TERMINAL:
+        status = existing.get("status") or {}
+        if spec_target(existing["spec"]) == target and status.get("phase") not in TERMINAL \
+                and status.get("target", target) == target:
+            if not status.get("target"):  # created just before a crash
+                _record_target(name, target)
             incidents = list(existing["spec"].get("incidents") or [])
             if incident_ref not in incidents:
                 kube.custom().patch_cluster_custom_object(names.GROUP, names.VERSION, names.REPLACEMENTS, name,
@@ -54,17 +80,53 @@ def ensure(node: str, where: Location, incident_ref: str) -> str:
     raise AssertionError("unreachable")
 
 
+def _record_target(name: str, target: dict[str, str]) -> None:
+    kube.update_status(names.REPLACEMENTS, None, name, lambda status: {} if status.get("target") else {"target": target})
+
+
+def _target_from_incidents(body: dict[str, Any]) -> dict[str, Any] | None:
+    """An object opened by an operator that did not record its target yet: the target its incident
+    recorded when it created this NodeReplacement (operator-written status), now recorded here."""
+    name = body["metadata"]["name"]
+    from . import incident  # the incident module imports this one
+    for ref in (body.get("spec") or {}).get("incidents") or []:
+        found = incident.find(*ref.split("/", 1)) if "/" in ref else None
+        for node, state in ((found or {}).get("status") or {}).get("nodes", {}).items():
+            if state.get("replacement") == name and state.get("instanceId") and state.get("cluster"):
+                target = {"nodeName": node, "instanceId": state["instanceId"], "clusterName": state["cluster"]}
+                if state.get("instanceGroup"):
+                    target["instanceGroup"] = state["instanceGroup"]
+                _record_target(name, target)
+                return target
+    return None
+
+
+def changed_fields(spec: dict[str, Any], target: dict[str, Any]) -> list[str]:
+    """The target fields in which the spec differs from the recorded target."""
+    return [f for f in TARGET_FIELDS if spec.get(f) != target.get(f)]
+
+
 def reconcile(body: dict[str, Any], settings: Settings) -> None:
     """Advance one NodeReplacement as far as it can go now."""
     name = body["metadata"]["name"]
     with kube.object_lock("reconcile-replacement", None, name):
         body = kube.get_replacement(name)
         status = body.get("status") or {}
-        if not status.get("phase"):
-            status = _phase(body, "HealthCheck", "Opened", f"node {body['spec']['nodeName']}, instance "
-                            f"{body['spec']['instanceId']}, cluster {body['spec']['clusterName']}")
-        if status.get("phase") in TERMINAL:
+        target = status.get("target") or _target_from_incidents(body)
+        if not target or status.get("phase") in TERMINAL:
             return
+        status = {**status, "target": target}
+        changed = changed_fields(body.get("spec") or {}, target)
+        if changed and not (status.get("replace") or {}).get("requestedAt"):
+            # Once BatchReplaceClusterNodes was requested (for the recorded target), it is followed to its end.
+            shown = ", ".join(f"spec.{f}={(body.get('spec') or {}).get(f)!r} (recorded {target.get(f)!r})"
+                              for f in changed)
+            _phase(body, "Failed", "TargetChanged", f"the target changed after creation: {shown}; nothing is replaced",
+                   conditions=[kube.condition("Failed", True, "TargetChanged", shown)])
+            return
+        if not status.get("phase"):
+            status = _phase(body, "HealthCheck", "Opened", f"node {target['nodeName']}, instance "
+                            f"{target['instanceId']}, cluster {target['clusterName']}")
         decision = approval.recorded(status)
         wanted = approval.requested(body.get("spec") or {})
         if decision is None and wanted == "Denied":
@@ -100,7 +162,7 @@ def _note(body: dict[str, Any], event: str | None, message: str, **fields: Any) 
 
 
 def _deny(body: dict[str, Any], status: dict[str, Any]) -> None:
-    node = body["spec"]["nodeName"]
+    node = status["target"]["nodeName"]
     if (status.get("replace") or {}).get("requestedAt"):
         _note(body, "DenyTooLate", "BatchReplaceClusterNodes was already requested; the denial cannot undo it")
         return
@@ -123,7 +185,7 @@ def _throttled(body: dict[str, Any], status: dict[str, Any], key: str, exc: hype
 
 
 def _health_check(body: dict[str, Any], status: dict[str, Any], settings: Settings) -> dict[str, Any]:
-    spec = body["spec"]
+    spec = status["target"]
     check = status.get("healthCheck") or {}
     if not settings.deep_health_checks:
         return _phase(body, "PendingApproval", "HealthCheckSkipped", "no deep health check configured",
@@ -132,7 +194,7 @@ def _health_check(body: dict[str, Any], status: dict[str, Any], settings: Settin
         return _phase(body, "PendingApproval", "HealthCheckSkipped", "instance group unknown",
                       healthCheck={"result": "NotRun", "message": "instance group unknown"})
     if not check.get("requestedAt"):
-        if check.get("attemptedAt") and _describe_status(body, settings) == "DeepHealthCheckInProgress":
+        if check.get("attemptedAt") and _describe_status(status, settings) == "DeepHealthCheckInProgress":
             return _note(body, "HealthCheckRequested", "found in progress after a restart",
                          healthCheck={"requestedAt": check["attemptedAt"], "sawInProgress": True})
         _note(body, None, "", healthCheck={"attemptedAt": kube.now()})  # intent, before the call
@@ -166,8 +228,8 @@ def _health_check(body: dict[str, Any], status: dict[str, Any], settings: Settin
     return _note(body, None, "", healthCheck={"polls": polls})
 
 
-def _describe_status(body: dict[str, Any], settings: Settings) -> str:
-    spec = body["spec"]
+def _describe_status(status: dict[str, Any], settings: Settings) -> str:
+    spec = status["target"]
     try:
         return (hyperpod.describe_node(settings, spec["clusterName"], spec["instanceId"]).get("InstanceStatus")
                 or {}).get("Status", "")
@@ -179,11 +241,11 @@ def _describe_status(body: dict[str, Any], settings: Settings) -> str:
 
 def _replace(body: dict[str, Any], status: dict[str, Any], settings: Settings) -> dict[str, Any]:
     """BatchReplaceClusterNodes exactly once: intent, call, outcome; a restart checks before calling."""
-    spec = body["spec"]
+    spec = status["target"]
     replace = status.get("replace") or {}
     if replace.get("requestedAt"):
         return _phase(body, "Replacing", "ReplaceRequested", "resuming the follow-up")
-    if replace.get("attemptedAt") and _describe_status(body, settings) in REPLACING_STATUSES:
+    if replace.get("attemptedAt") and _describe_status(status, settings) in REPLACING_STATUSES:
         return _phase(body, "Replacing", "ReplaceRequested", "found replacing after a restart",
                       replace={"requestedAt": replace["attemptedAt"], "recovered": True})
     _note(body, None, "", replace={"attemptedAt": kube.now()})  # intent, before the call
@@ -207,8 +269,8 @@ def _replace(body: dict[str, Any], status: dict[str, Any], settings: Settings) -
 
 
 def _follow(body: dict[str, Any], status: dict[str, Any], settings: Settings) -> None:
-    spec = body["spec"]
-    state = _describe_status(body, settings)
+    spec = status["target"]
+    state = _describe_status(status, settings)
     if state == "NotFound":
         contain.release(spec["nodeName"], keep_cordoned=True)
         _phase(body, "Replaced", "Replaced", f"instance {spec['instanceId']} terminated and replaced by fresh hardware",

@@ -41,6 +41,14 @@ class Settings:
     """SDCGUARD_STORM_GUARD_RECHECK_SECONDS: how often an incident held by the storm guard retries."""
     metrics_port: int = 8080
     """SDCGUARD_METRICS_PORT: Prometheus metrics port; 0 turns the endpoint off."""
+    require_signed_alarms: bool = True
+    """SDCGUARD_REQUIRE_SIGNED_ALARMS: reject alarm Events without a signature (UnsignedAlarm); false
+    accepts them, counted and logged, while old sidecars are replaced. A wrong signature is always
+    rejected."""
+    operator_username: str | None = None
+    """SDCGUARD_OPERATOR_USERNAME: the operator's own user as the API server authenticates it
+    (``system:serviceaccount:<namespace>:<name>``); the NodeReplacement webhook lets only it write
+    the operator's fields."""
     pod_name: str | None = None
     """POD_NAME / POD_NAMESPACE: the operator's own pod (downward API), for rejection Events."""
     pod_namespace: str | None = None
@@ -65,6 +73,8 @@ class Settings:
             max_throttle_retries=_int(env, "SDCGUARD_MAX_THROTTLE_RETRIES", 8),
             storm_guard_recheck_seconds=_float(env, "SDCGUARD_STORM_GUARD_RECHECK_SECONDS", 60.0),
             metrics_port=_int(env, "SDCGUARD_METRICS_PORT", 8080),
+            require_signed_alarms=_bool(env, "SDCGUARD_REQUIRE_SIGNED_ALARMS", True),
+            operator_username=env.get("SDCGUARD_OPERATOR_USERNAME") or None,
             pod_name=env.get(names.ENV_POD_NAME) or None,
             pod_namespace=env.get(names.ENV_POD_NAMESPACE) or None,
         )

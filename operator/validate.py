@@ -25,12 +25,18 @@ class Rejected(Exception):
         self.message = message
 
 
-def parse(event: dict[str, Any], settings: Settings) -> dict[str, Any]:
-    """The alarm record of an Event, schema-checked, with the job checks that need no pod."""
+def annotation(event: dict[str, Any]) -> str:
+    """The exact alarm annotation text (what the signature covers)."""
     annotations = (event.get("metadata") or {}).get("annotations") or {}
     text = annotations.get(names.ALARM_ANNOTATION)
     if text is None:
         raise Rejected("MissingAnnotation", f"the Event has no {names.ALARM_ANNOTATION} annotation")
+    return text
+
+
+def parse(event: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """The alarm record of an Event, schema-checked, with the job checks that need no API call."""
+    text = annotation(event)
     try:
         record = alarm_schema.loads(text)
     except alarm_schema.AlarmError as exc:

@@ -12,7 +12,10 @@ An enabled pod gets: the ``sdcguard-sidecar`` container (a native sidecar: an in
 ``restartPolicy: Always``, so it stops when training ends and the pod can complete), the spool
 ``emptyDir`` mounted in every container, the downward-API ``POD_NAME`` / ``POD_NAMESPACE`` /
 ``NODE_NAME``, the job identity (``SDCGUARD_JOB_NAME`` / ``SDCGUARD_JOB_KIND``), and
-``SDCGUARD_AUDIT_EVERY`` / ``SDCGUARD_WEIGHT_CHECK_EVERY`` from the annotations. A bad value is a
+``SDCGUARD_AUDIT_EVERY`` / ``SDCGUARD_WEIGHT_CHECK_EVERY`` from the annotations, and — in the
+sidecar container only — the job's alarm-signing key Secret ``sdcguard-alarm-key-<job>`` (SPEC §4;
+``optional``, so a pod whose key the operator has not written yet still starts, and the sidecar
+holds its records until the kubelet has put the key there). A bad value is a
 warning in the admission response and the library's default applies; never a rejection. The
 mutation is idempotent: mutating its own output changes nothing.
 
@@ -35,6 +38,9 @@ import kopf
 
 from sdcguard.config import Config
 from sdcguard.contract import names
+
+from .alarm_keys import job_enabled
+from .signing import secret_name
 
 log = logging.getLogger("sdcguard_operator.webhook")
 
@@ -82,7 +88,7 @@ def plan(job_name: str, annotations: Mapping[str, str]) -> tuple[Plan | None, li
     """Decide from the effective ``sdcguard.dev/*`` annotations; return (plan or None, warnings)."""
     warnings: list[str] = []
     enabled = str(annotations.get(names.ENABLED_ANNOTATION, "")).strip().lower()
-    if enabled != "true":
+    if not job_enabled(annotations):
         if enabled not in ("", "false"):
             warnings.append(f"sdcguard: {names.ENABLED_ANNOTATION}={annotations[names.ENABLED_ANNOTATION]!r} is "
                             "neither \"true\" nor \"false\"; sdcguard stays off for this pod")
@@ -109,10 +115,22 @@ def inject(pod: dict[str, Any], *, how: Plan, sidecar: SidecarSettings) -> None:
     volumes = spec.setdefault("volumes", [])
     if not any(v.get("name") == names.SPOOL_VOLUME for v in volumes):
         volumes.append({"name": names.SPOOL_VOLUME, "emptyDir": {}})
+    key_volume = _key_volume(how)
+    for i, volume in enumerate(volumes):
+        if volume.get("name") == names.ALARM_KEY_VOLUME:
+            volumes[i] = key_volume
+            break
+    else:
+        volumes.append(key_volume)
     env = _env(how)
     for container in spec.get("containers", []):
         _ensure_mount(container)
         _set_env(container, env)
+    for container in spec.get("containers", []) + [c for c in spec.get("initContainers", [])
+                                                    if c.get("name") != names.SIDECAR_CONTAINER]:
+        # Only the sidecar may read the key: never the training containers, whatever their spec says.
+        if any(m.get("name") == names.ALARM_KEY_VOLUME for m in container.get("volumeMounts") or []):
+            container["volumeMounts"] = [m for m in container["volumeMounts"] if m.get("name") != names.ALARM_KEY_VOLUME]
     inits = spec.setdefault("initContainers", [])
     wanted = _sidecar_container(sidecar)
     for i, container in enumerate(inits):
@@ -151,6 +169,11 @@ def _owned_by_pytorchjob(pod: Mapping[str, Any]) -> bool:
     return not controller or controller[0].get("kind") == names.JOB_KIND
 
 
+def _key_volume(how: Plan) -> dict[str, Any]:
+    return {"name": names.ALARM_KEY_VOLUME, "secret": {"secretName": secret_name(how.job_name), "optional": True,
+                                                         "defaultMode": 0o444}}
+
+
 def _downward_api() -> list[dict[str, Any]]:
     return [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in names.DOWNWARD_API.items()]
 
@@ -187,10 +210,12 @@ def _sidecar_container(s: SidecarSettings) -> dict[str, Any]:
         "image": s.image,
         "imagePullPolicy": s.pull_policy,
         "restartPolicy": "Always",
-        "args": ["sidecar", "--spool", names.SPOOL_PATH, "--metrics-port", str(s.metrics_port)],
+        "args": ["sidecar", "--spool", names.SPOOL_PATH, "--metrics-port", str(s.metrics_port),
+                 "--key-file", names.ALARM_KEY_FILE],
         "env": _downward_api() + [{"name": names.ENV_SPOOL, "value": names.SPOOL_PATH}],
         "ports": [{"name": names.SIDECAR_METRICS_PORT_NAME, "containerPort": s.metrics_port, "protocol": "TCP"}],
-        "volumeMounts": [{"name": names.SPOOL_VOLUME, "mountPath": names.SPOOL_PATH}],
+        "volumeMounts": [{"name": names.SPOOL_VOLUME, "mountPath": names.SPOOL_PATH},
+                         {"name": names.ALARM_KEY_VOLUME, "mountPath": names.ALARM_KEY_MOUNT, "readOnly": True}],
         "resources": {"requests": {"cpu": s.cpu_request, "memory": s.memory_request},
                       "limits": {"memory": s.memory_limit}},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": names.SIDECAR_METRICS_PORT_NAME},

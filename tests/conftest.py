@@ -3,6 +3,12 @@
 ``OperatorWorld`` = the Kubernetes emulator (kube_emulator) + the local SageMaker endpoint
 (aws_emulator) + the real operator run as a subprocess (``sdcguard operator``), with short kopf
 delays.  Operator test modules build one world per module (``make_world``).
+
+The operator authenticates as its own service account (``OPERATOR_USER``); tests and kubectl as
+``tester``. ``make_world(admission=True)`` also sends NodeReplacement writes through the
+operator's own admission webhook, as the chart configures the API server to, with ``tester``
+granted the ``approve`` verb. Alarm Events are signed with the job's key Secret, as the sidecar
+signs them (``alarm_event``).
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ import pytest
 
 CLUSTER = "ml-cluster"
 GROUP = "workers"
+OPERATOR_USER = "system:serviceaccount:sdcguard:sdcguard"
+ADMISSION_WEBHOOK = "nodereplacements.sdcguard.dev"
 KUBECTL = str(pathlib.Path(sys.prefix) / "bin" / "kubectl")
 
 
@@ -32,6 +40,11 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _die_with_parent() -> None:
@@ -48,7 +61,7 @@ def new_instance() -> str:
 class OperatorWorld:
     """Emulators + an operator subprocess that tests can kill and restart."""
 
-    def __init__(self, workdir: pathlib.Path, **settings: str) -> None:
+    def __init__(self, workdir: pathlib.Path, admission: bool = False, **settings: str) -> None:
         from aws_emulator import start_aws
         from kube_emulator import start_emulator
         import kubernetes
@@ -60,15 +73,25 @@ class OperatorWorld:
         self.core = kubernetes.client.CoreV1Api(self.api)
         self.custom = kubernetes.client.CustomObjectsApi(self.api)
         self.metrics_port = free_port()
+        self.webhook_port = free_port()  # the pod and NodeReplacement webhooks register in the same kopf
         self.env = {**os.environ, **self.aws.env(), "KUBECONFIG": str(self.kube.kubeconfig), "KUBECTL": KUBECTL,
                     "PATH": f"{pathlib.Path(sys.prefix) / 'bin'}:{os.environ.get('PATH', '')}",
                     "SDCGUARD_CLUSTER_NAME": CLUSTER, "SDCGUARD_POLL_SECONDS": "0.3",
                     "SDCGUARD_RETRY_SECONDS": "0.2", "SDCGUARD_RETRY_MAX_SECONDS": "1",
                     "SDCGUARD_STORM_GUARD_RECHECK_SECONDS": "0.5", "SDCGUARD_METRICS_PORT": str(self.metrics_port),
-                    "SDCGUARD_WEBHOOK_PORT": str(free_port()),  # the pod webhook registers in the same kopf
+                    "SDCGUARD_WEBHOOK_PORT": str(self.webhook_port), "SDCGUARD_OPERATOR_USERNAME": OPERATOR_USER,
                     **settings}
+        self.operator_env = {**self.env, "KUBECONFIG": str(self.kube.add_user("operator", OPERATOR_USER))}
+        self.admission_url = f"http://127.0.0.1:{self.webhook_port}/sdcguard-nodereplacement-admission"
+        if admission:
+            self.kube.grant("user:tester", "approve", "nodereplacements.sdcguard.dev")
+            self.admission(True)
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
+
+    def admission(self, on: bool) -> None:
+        """Route NodeReplacement writes through the operator's webhook (or stop, as if it were uninstalled)."""
+        self.kube.admit("sdcguard.dev/v1/nodereplacements", self.admission_url if on else None, ADMISSION_WEBHOOK)
 
     # -- the operator process -------------------------------------------------------------------
     def start_operator(self, via_kopf: bool = False) -> None:
@@ -78,8 +101,10 @@ class OperatorWorld:
         bindir = pathlib.Path(sys.prefix) / "bin"
         command = [str(bindir / "kopf"), "run", "-m", "sdcguard_operator", "--standalone", "--all-namespaces"] \
             if via_kopf else [str(bindir / "sdcguard"), "operator"]
-        self.proc = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(command, env=self.operator_env, stdout=log, stderr=subprocess.STDOUT,
                                      preexec_fn=_die_with_parent)
+        if self.kube.emulator.webhooks:  # NodeReplacement writes fail (failurePolicy Fail) until it listens
+            self.wait(lambda: _listening(self.webhook_port), timeout=60, what="the operator's admission webhook")
 
     def kill_operator(self) -> None:
         """SIGKILL: no graceful shutdown, exactly like a crashed pod."""
@@ -132,13 +157,44 @@ class OperatorWorld:
             self.pod(namespace, pod, job, node)
         return pods
 
-    def alarm_event(self, namespace: str, record: dict[str, Any] | None = None, *, raw: str | None = None,
-                    involved_pod: str = "unknown") -> str:
-        """Post an alarm Event the way the sidecar does (SPEC §4); returns the Event's name."""
-        from sdcguard.contract import alarm
+    def alarm_key(self, namespace: str, job: str, timeout: float = 45) -> bytes:
+        """The job's signing key, from the Secret the operator creates (waits for it)."""
+        import base64
 
-        annotations = {} if raw is None and record is None else {"sdcguard.dev/alarm": raw if raw is not None
-                                                                  else alarm.dumps(record)}
+        secret = self.wait(lambda: self.core.read_namespaced_secret(f"sdcguard-alarm-key-{job}", namespace),
+                           timeout=timeout, what=f"alarm key Secret of {namespace}/{job}")
+        return base64.b64decode(secret.data["key"])
+
+    def plant_key(self, namespace: str, job: str, key: bytes | None = None) -> bytes:
+        """A key Secret the operator did not write (e.g. left from when the job was still enabled)."""
+        import base64
+
+        key = key or secrets.token_bytes(32)
+        self.core.create_namespaced_secret(namespace, {
+            "metadata": {"name": f"sdcguard-alarm-key-{job}", "namespace": namespace}, "type": "Opaque",
+            "data": {"key": base64.b64encode(key).decode()}})
+        return key
+
+    def alarm_event(self, namespace: str, record: dict[str, Any] | None = None, *, raw: str | None = None,
+                    involved_pod: str = "unknown", sign: bool = True, key: bytes | None = None,
+                    signature: str | None = None) -> str:
+        """Post an alarm Event the way the sidecar does (SPEC §4), signed with the named job's key
+        (``key`` instead, ``signature`` as given, or unsigned with ``sign=False``); returns the
+        Event's name. Text that names no job gets a well-formed signature no key makes."""
+        from sdcguard.contract import alarm, events
+
+        text = raw if raw is not None else alarm.dumps(record) if record is not None else None
+        annotations = {} if text is None else {"sdcguard.dev/alarm": text}
+        if text is not None and sign:
+            if signature is None:
+                try:
+                    job = json.loads(text)["job"]
+                except (ValueError, KeyError, TypeError):
+                    job = None
+                if key is None and isinstance(job, dict) and job.get("name"):
+                    key = self.alarm_key(job.get("namespace") or namespace, job["name"])
+                signature = events.alarm_signature(key, text) if key else "v1=" + "0" * 64
+            annotations["sdcguard.dev/alarm-signature"] = signature
         if record is not None and (record.get("suspects") or [record.get("reporter")])[0]:
             involved_pod = ((record.get("suspects") or [record["reporter"]])[0].get("pod")) or involved_pod
         event = self.core.create_namespaced_event(namespace, {
@@ -169,8 +225,10 @@ class OperatorWorld:
     def event_annotation(self, namespace: str, name: str) -> str | None:
         return (self.core.read_namespaced_event(name, namespace).metadata.annotations or {}).get("sdcguard.dev/intake")
 
-    def kubectl(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([KUBECTL, *args], env=self.env, capture_output=True, text=True, timeout=60)
+    def kubectl(self, *args: str, kubeconfig: pathlib.Path | None = None) -> subprocess.CompletedProcess[str]:
+        """Real kubectl (and so ``kubectl sdcguard``) as ``tester``, or as the user of ``kubeconfig``."""
+        env = self.env if kubeconfig is None else {**self.env, "KUBECONFIG": str(kubeconfig)}
+        return subprocess.run([KUBECTL, *args], env=env, capture_output=True, text=True, timeout=60)
 
     def metrics(self) -> str:
         import urllib.request
@@ -221,15 +279,15 @@ def make_world(tmp_path_factory: pytest.TempPathFactory):
     """``make_world(**SDCGUARD_settings) -> OperatorWorld`` (operator started); all closed at module end."""
     worlds: list[OperatorWorld] = []
 
-    def factory(start: bool = True, via_kopf: bool = False, **settings: str) -> OperatorWorld:
-        world = OperatorWorld(tmp_path_factory.mktemp("world"), **settings)
+    def factory(start: bool = True, via_kopf: bool = False, admission: bool = False, **settings: str) -> OperatorWorld:
+        world = OperatorWorld(tmp_path_factory.mktemp("world"), admission=admission, **settings)
         worlds.append(world)
         if start:
             world.start_operator(via_kopf=via_kopf)
         return world
 
     yield factory
-    for world in worlds:
+    for world in reversed(worlds):  # kmock's resolver hooks nest: stop the emulators last-in, first-out
         world.close()
 
 

@@ -14,8 +14,8 @@ or ``with start_emulator(tmp_path) as kube: ...``.  ``KUBECONFIG=kube.kubeconfig
 and for subprocesses (kopf, the sidecar).  Objects must be created through the API (objects put
 straight into the store emit no watch events).
 
-Registered resources (``RESOURCES``): core ``v1`` events, pods, nodes, namespaces, configmaps;
-``kubeflow.org/v1`` pytorchjobs; ``sdcguard.dev/v1`` sdcincidents (namespaced) and
+Registered resources (``RESOURCES``): core ``v1`` events, pods, nodes, namespaces, configmaps,
+secrets; ``kubeflow.org/v1`` pytorchjobs; ``sdcguard.dev/v1`` sdcincidents (namespaced) and
 nodereplacements (cluster-scoped), both with the ``status`` subresource.
 
 Fixed here, server-side, because kmock 0.8 lacks them (see ../shared/TOOLING.md):
@@ -28,13 +28,33 @@ equality field/label selectors on list and watch (``SELECTORS_HONOURED``); objec
 are served straight from the store (kmock's reaction matching costs time proportional to all past
 requests, which a flood of Events turns into seconds per request), so kmock reactions do not
 apply to them: to make the server refuse a request use ``kube.reject("POST", path, 422)``.
+Added for sdcguard's approval model (server-side, like the API server's own parts):
+
+- authentication by bearer token (``kube.add_user(token, username, groups)`` writes a kubeconfig
+  for that user; the default kubeconfig's token ``emulator`` is user ``tester``). kubectl sends no
+  token over plain HTTP, so these kubeconfigs also name their user in kubectl's impersonation
+  fields (``as``, ``as-groups``), and an ``Impersonate-User`` / ``Impersonate-Group`` request is
+  served as that user, as the API server presents impersonated requests to admission (whether
+  impersonation is allowed is not checked: there is no RBAC here);
+- ``authorization.k8s.io/v1`` ``subjectaccessreviews`` create, answered from a small policy set
+  with ``kube.grant("user:alice" | "group:oncall", verb, "plural.group")``; every review asked is
+  kept in ``kube.emulator.access_reviews``;
+- admission webhooks, opt-in per resource (``kube.admit("group/version/plural", url, name)``):
+  CREATE and UPDATE of the main resource (not subresources) are sent to ``url`` as an
+  ``admission.k8s.io/v1`` AdmissionReview carrying the authenticated user, old and new object; a
+  denial is answered as the API server does ("admission webhook "<name>" denied the request:
+  ..."), an allowed JSONPatch is applied before the object is stored, and an unreachable webhook
+  fails the request (``failurePolicy: Fail``).
+
 Still not emulated: set-based selectors, resourceVersion preconditions of
-merge patches, watching from a resourceVersion, PUT,
-admission webhooks, RBAC, /status isolation (a status patch may change spec too).
+merge patches, watching from a resourceVersion, PUT, RBAC on ordinary requests, CRD validation
+(schemas, CEL rules), /status isolation (a status patch may change spec too).
 """
 from __future__ import annotations
 
 import asyncio
+import base64
+import copy
 import datetime
 import itertools
 import json
@@ -44,10 +64,12 @@ import threading
 import uuid
 from typing import Any, Callable
 
+import aiohttp
 import aiohttp.web
 import attrs
+import jsonpatch
 import kmock
-from kmock._internal import enums, rendering
+from kmock._internal import dicts, enums, rendering
 
 ALL_VERBS = ("get", "list", "watch", "create", "update", "patch", "delete")
 
@@ -62,6 +84,7 @@ RESOURCES: dict[str, tuple[str, bool, tuple[str, ...], tuple[str, ...]]] = {
     "v1/nodes": ("Node", False, ("no",), ("status",)),
     "v1/namespaces": ("Namespace", False, ("ns",), ()),
     "v1/configmaps": ("ConfigMap", True, ("cm",), ()),
+    "v1/secrets": ("Secret", True, (), ()),
     "kubeflow.org/v1/pytorchjobs": ("PyTorchJob", True, (), ("status",)),
     "sdcguard.dev/v1/sdcincidents": ("SDCIncident", True, ("sdci",), ("status",)),
     "sdcguard.dev/v1/nodereplacements": ("NodeReplacement", False, ("nrep",), ("status",)),
@@ -95,6 +118,23 @@ class _DirectDispatch(kmock.KubernetesScaffold):
         return await super()._handle(request)
 
 
+SAR_PATH = "/apis/authorization.k8s.io/v1/subjectaccessreviews"
+DEFAULT_TOKEN = "emulator"
+DEFAULT_USER = {"username": "tester", "uid": "7e57e700-0000-4000-8000-000000000001",
+                "groups": ["system:authenticated"]}
+ANONYMOUS = {"username": "system:anonymous", "groups": ["system:unauthenticated"]}
+
+
+def _path(resource: Any) -> str:
+    """"group/version/plural" (core: "version/plural"), as RESOURCES spells it."""
+    return "/".join(p for p in (resource.group, resource.version, resource.plural) if p)
+
+
+def _status(code: int, reason: str, message: str) -> aiohttp.web.Response:
+    return aiohttp.web.json_response({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                                      "code": code, "reason": reason, "message": message}, status=code)
+
+
 @attrs.define(kw_only=True)
 class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
     """kmock's emulator with the gaps that break kopf, the official client and kubectl closed."""
@@ -103,6 +143,24 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
     rejections: dict[tuple[str, str], int] = attrs.field(factory=dict, init=False)
     """(METHOD, path) -> HTTP status to answer with instead of serving: a server that refuses a
     request (e.g. 422 for an invalid object). Set it through ``RunningEmulator.reject``."""
+    users: dict[str, dict[str, Any]] = attrs.field(factory=lambda: {DEFAULT_TOKEN: dict(DEFAULT_USER)}, init=False)
+    """bearer token -> userInfo (username, uid, groups) as an authenticator would report it."""
+    grants: set[tuple[str, str, str, str]] = attrs.field(factory=set, init=False)
+    """(subject, verb, group, plural): what SubjectAccessReviews allow; subject ``user:X`` or ``group:X``."""
+    access_reviews: list[dict[str, Any]] = attrs.field(factory=list, init=False)
+    webhooks: dict[str, tuple[str, str]] = attrs.field(factory=dict, init=False)
+    """"group/version/plural" -> (webhook name, URL) of a mutating admission webhook (failurePolicy Fail)."""
+    admission_reviews: list[dict[str, Any]] = attrs.field(factory=list, init=False)
+
+    def user_of(self, request: rendering.Request) -> dict[str, Any]:
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        raw = getattr(request._raw_request, "headers", None)
+        groups = raw.getall("Impersonate-Group", []) if raw is not None else []
+        if headers.get("impersonate-user"):
+            return {"username": headers["impersonate-user"], "groups": list(groups) + ["system:authenticated"]}
+        header = headers.get("authorization", "")
+        token = header[7:].strip() if header.lower().startswith("bearer ") else None
+        return copy.deepcopy(self.users.get(token, ANONYMOUS) if token else ANONYMOUS)
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         refused = self.rejections.get((str(request.method.value).upper(), request.url.path))
@@ -110,6 +168,14 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
             return aiohttp.web.json_response(
                 {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": refused,
                  "reason": "Invalid", "message": "rejected by the test"}, status=refused)
+        if request.url.path == SAR_PATH and str(request.method.value).upper() == "POST":
+            return self._review_access(request)
+        if request.resource is not None and request.subresource is None and \
+                request.action in (enums.action.CREATE, enums.action.UPDATE) and \
+                _path(request.resource) in self.webhooks:
+            denied = await self._admit(request)
+            if denied is not None:
+                return denied
         if request.resource is not None and request.params.get("watch") in ("True", "1", "true"):
             return await self._stream_watch(request)
         if request.action == enums.action.CREATE and isinstance(request.data, dict):
@@ -132,6 +198,75 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
         if request.action == enums.action.CREATE and response.status == 200 and not response.prepared:
             response.set_status(201)
         return response
+
+    def _review_access(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        """A SubjectAccessReview, answered from ``grants``."""
+        review = request.data if isinstance(request.data, dict) else {}
+        spec = review.get("spec") or {}
+        wanted = spec.get("resourceAttributes") or {}
+        subjects = {f"user:{spec.get('user')}"} | {f"group:{g}" for g in spec.get("groups") or []}
+        allowed = any(subject in subjects and (verb, group, plural) == (
+            wanted.get("verb"), wanted.get("group", ""), wanted.get("resource")) for subject, verb, group, plural
+            in self.grants)
+        answer = {**review, "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+                  "metadata": {"creationTimestamp": None},
+                  "status": {"allowed": allowed, "reason": "granted by the test policy" if allowed else ""}}
+        self.access_reviews.append(answer)
+        return aiohttp.web.json_response(answer, status=201)
+
+    async def _admit(self, request: rendering.Request) -> aiohttp.web.StreamResponse | None:
+        """Call the resource's admission webhook as the API server would; None: go on and store."""
+        assert request.resource is not None
+        webhook_name, url = self.webhooks[_path(request.resource)]
+        info = self.resources.get(request.resource)
+        key = (request.resource, request.namespace, request.name)
+        old = None
+        if request.action == enums.action.UPDATE:
+            stored = self._objects._objects.get(key)
+            if stored is None or stored.deleted:
+                return None  # the ordinary 404
+            old = copy.deepcopy(dict(stored.raw))
+            try:
+                new = copy.deepcopy(dict(dicts.patch_dict(old, request.data)))
+            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
+                return _status(422, "Invalid", f"the patch does not apply: {exc}")
+        else:
+            new = copy.deepcopy(request.data)
+        group, version, plural = request.resource.group, request.resource.version, request.resource.plural
+        gvk = {"group": group, "version": version, "kind": info.kind if info else ""}
+        gvr = {"group": group, "version": version, "resource": plural}
+        review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+            "uid": str(uuid.uuid4()), "kind": gvk, "resource": gvr, "requestKind": gvk, "requestResource": gvr,
+            "name": request.name or (new.get("metadata") or {}).get("name"), "operation": (
+                "CREATE" if request.action == enums.action.CREATE else "UPDATE"),
+            "userInfo": self.user_of(request), "object": new, "oldObject": old,
+            "dryRun": bool(request.params.get("dryRun")),
+            "options": {"apiVersion": "meta.k8s.io/v1",
+                        "kind": "CreateOptions" if request.action == enums.action.CREATE else "UpdateOptions"}}}
+        if request.namespace:
+            review["request"]["namespace"] = request.namespace
+        self.admission_reviews.append(review)
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.post(url, json=review, timeout=aiohttp.ClientTimeout(total=10)) as answer:
+                    response = (await answer.json())["response"]
+        except Exception as exc:  # noqa: BLE001 — failurePolicy: Fail
+            return _status(500, "InternalError", f'Internal error occurred: failed calling webhook "{webhook_name}": '
+                           f"{type(exc).__name__}: {exc}")
+        if not response.get("allowed"):
+            status = response.get("status") or {}
+            code = int(status.get("code") or 403)
+            return _status(code, "Forbidden" if code == 403 else "Invalid",
+                           f'admission webhook "{webhook_name}" denied the request: {status.get("message", "")}')
+        final = new
+        if response.get("patch"):
+            final = jsonpatch.apply_patch(new, json.loads(base64.b64decode(response["patch"])))
+        if request.action == enums.action.CREATE:
+            request.data.clear()
+            request.data.update(final)
+        else:  # store exactly what was admitted
+            object.__setattr__(request, "data", jsonpatch.make_patch(old, final).patch)
+        return None
 
     def _bump_version(self, request: rendering.Request) -> None:
         """A new resourceVersion per change; a JSON-patch ``test`` of a stale one answers 422 (kopf relies on it)."""
@@ -330,12 +465,34 @@ class RunningEmulator:
         """Answer ``status`` to every ``METHOD path`` request from now on (server-side)."""
         self.emulator.rejections[(method.upper(), path)] = status
 
+    def add_user(self, token: str, username: str, groups: list[str] | None = None) -> pathlib.Path:
+        """Authenticate ``token`` as ``username``; returns a kubeconfig for that user."""
+        self.emulator.users[token] = {"username": username, "uid": str(uuid.uuid4()),
+                                      "groups": list(groups or []) + ["system:authenticated"]}
+        return write_kubeconfig(self.kubeconfig.with_name(f"kubeconfig-{token}"), self.url, token=token,
+                                username=username, groups=groups)
+
+    def grant(self, subject: str, verb: str, resource: str) -> None:
+        """Let SubjectAccessReviews allow ``verb`` on ``resource`` ("plural.group") to ``subject``
+        ("user:NAME" or "group:NAME")."""
+        plural, _, group = resource.partition(".")
+        self.emulator.grants.add((subject, verb, group, plural))
+
+    def admit(self, resource: str, url: str | None, name: str = "webhook.test") -> None:
+        """Send CREATE/UPDATE of ``resource`` ("group/version/plural") to the admission webhook at
+        ``url`` from now on; ``url=None``: no webhook (as if its configuration were removed)."""
+        if url is None:
+            self.emulator.webhooks.pop(resource, None)
+        else:
+            self.emulator.webhooks[resource] = (name, url)
+
     def api_client(self) -> Any:
         """A ``kubernetes.client.ApiClient`` for this emulator (the client's global config is untouched)."""
         import kubernetes
 
         configuration = kubernetes.client.Configuration()
         configuration.host = self.url
+        configuration.api_key = {"authorization": f"Bearer {DEFAULT_TOKEN}"}  # user "tester"
         return kubernetes.client.ApiClient(configuration)
 
     def request_count(self) -> int:
@@ -359,13 +516,16 @@ def start_emulator(workdir: pathlib.Path | str) -> RunningEmulator:
     return RunningEmulator(workdir)
 
 
-def write_kubeconfig(path: pathlib.Path | str, url: str) -> pathlib.Path:
-    """A kubeconfig with one context, ``emulator``, pointing at ``url`` (no auth, plain HTTP)."""
+def write_kubeconfig(path: pathlib.Path | str, url: str, token: str = DEFAULT_TOKEN,
+                     username: str = DEFAULT_USER["username"], groups: list[str] | None = None) -> pathlib.Path:
+    """A kubeconfig with one context, ``emulator``, pointing at ``url`` (plain HTTP): a bearer
+    token for clients that send one, and the user's name for kubectl, which does not."""
     config = {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": "emulator", "cluster": {"server": url}}],
-        "users": [{"name": "tester", "user": {"token": "emulator"}}],
+        "users": [{"name": "tester", "user": {"token": token, "as": username,
+                                              **({"as-groups": list(groups)} if groups else {})}}],
         "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester",
                                                       "namespace": "default"}}],
         "current-context": "emulator",

@@ -21,6 +21,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+import sdcguard_operator.admission as admission
 import sdcguard_operator.webhook as webhook
 from sdcguard.contract import names
 
@@ -103,7 +104,8 @@ def test_values_schema_rejects_bad_settings() -> None:
 def test_webhook_configuration_matches_the_server_and_never_blocks_pods(rendered: dict[str, Any]) -> None:
     docs = rendered["default"]
     [mwc] = by_kind(docs, "MutatingWebhookConfiguration")
-    [hook] = mwc["webhooks"]
+    assert [h["name"] for h in mwc["webhooks"]] == ["pods.sdcguard.dev", "nodereplacements.sdcguard.dev"]
+    hook = mwc["webhooks"][0]
     assert hook["failurePolicy"] == "Ignore" and hook["sideEffects"] == "None"
     assert hook["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"],
                               "operations": ["CREATE"], "scope": "Namespaced"}]
@@ -124,6 +126,44 @@ def test_webhook_configuration_matches_the_server_and_never_blocks_pods(rendered
     assert operator["livenessProbe"]["httpGet"]["port"] == "health" and operator["readinessProbe"]
     assert operator["resources"]["requests"] and deployment["spec"]["replicas"] == 1
     assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_nodereplacement_webhook_fails_closed_on_the_main_resource_only(rendered: dict[str, Any]) -> None:
+    docs = rendered["default"]
+    [mwc] = by_kind(docs, "MutatingWebhookConfiguration")
+    pods, hook = mwc["webhooks"]
+    assert hook["failurePolicy"] == "Fail" and hook["sideEffects"] == "None"
+    assert hook["rules"] == [{"apiGroups": ["sdcguard.dev"], "apiVersions": ["v1"], "resources": ["nodereplacements"],
+                              "operations": ["CREATE", "UPDATE"], "scope": "Cluster"}]  # not nodereplacements/status
+    assert hook["clientConfig"]["service"]["path"] == f"/{admission.HANDLER_ID}"
+    assert hook["clientConfig"]["service"]["name"] == pods["clientConfig"]["service"]["name"]
+    assert hook["clientConfig"]["caBundle"] == pods["clientConfig"]["caBundle"]
+    assert "namespaceSelector" not in hook and "objectSelector" not in hook
+    [deployment] = by_kind(docs, "Deployment")
+    spec = deployment["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+    assert env["SDCGUARD_OPERATOR_USERNAME"] == f"system:serviceaccount:sdcguard:{spec['serviceAccountName']}"
+    assert env["SDCGUARD_REQUIRE_SIGNED_ALARMS"] == "true"
+    off = render(["--set", "operator.requireSignedAlarms=false"])
+    env = {e["name"]: e.get("value") for e in by_kind(off, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["SDCGUARD_REQUIRE_SIGNED_ALARMS"] == "false"
+
+
+def test_alarm_keys_are_readable_only_where_alarms_are_accepted(rendered: dict[str, Any]) -> None:
+    everywhere = rendered["default"]
+    keys = [r for r in by_kind(everywhere, "ClusterRole") if r["metadata"]["name"] == "sdcguard-alarm-keys"]
+    assert [_granted(r) for r in keys] == [{("", "secrets", "get"), ("", "secrets", "create")}]
+    [binding] = [b for b in by_kind(everywhere, "ClusterRoleBinding") if b["roleRef"]["name"] == "sdcguard-alarm-keys"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "sdcguard", "namespace": "sdcguard"}]
+    assert not by_kind(everywhere, "RoleBinding")
+    scoped = rendered["irsa-cert-manager-monitors"]  # operator.namespaces={ml,research}
+    assert not [b for b in by_kind(scoped, "ClusterRoleBinding") if b["roleRef"]["name"] == "sdcguard-alarm-keys"]
+    bindings = by_kind(scoped, "RoleBinding")
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ml", "research"]
+    assert all(b["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                "name": "sdcguard-alarm-keys"} for b in bindings)
+    assert not any(("", "secrets", v) in _granted(r) for r in by_kind(everywhere, "ClusterRole")
+                   if r["metadata"]["name"] != "sdcguard-alarm-keys" for v in ("get", "list", "watch", "create"))
 
 
 def test_self_signed_certificate_is_valid_for_the_service_and_matches_the_ca_bundle(rendered: dict[str, Any]) -> None:
@@ -167,7 +207,8 @@ def test_other_value_sets_render_what_they_ask_for(rendered: dict[str, Any]) -> 
     assert deployment["metadata"]["name"] == "guard-operator"
     assert {"name": "webhook-tls", "secret": {"secretName": "my-tls"}} in deployment["spec"]["template"]["spec"]["volumes"]
     assert not by_kind(own, "Secret") and not by_kind(own, "Certificate")
-    assert {d["metadata"]["name"] for d in by_kind(own, "ClusterRole")} == {"guard-operator", "guard-approver"}
+    assert {d["metadata"]["name"] for d in by_kind(own, "ClusterRole")} == {"guard-operator", "guard-alarm-keys",
+                                                                    "guard-approver"}
 
     bare = rendered["no-webhook-no-rbac"]
     assert not by_kind(bare, "MutatingWebhookConfiguration") and not by_kind(bare, "ClusterRole")
@@ -213,9 +254,13 @@ def test_every_granted_verb_is_justified_in_the_chart_readme(rendered: dict[str,
     roles = {r["metadata"]["name"]: r for r in by_kind(rendered["default"], "ClusterRole")}
     operator_role, approver_role = roles["sdcguard-operator"], roles["sdcguard-approver"]
     assert _granted(operator_role) == _readme_rbac_table("grants exactly these verbs")
+    assert _granted(roles["sdcguard-alarm-keys"]) == _readme_rbac_table("it grants:")
     assert _granted(approver_role) == _readme_rbac_table("ClusterRole (`approver.create`) is for people:")
-    assert not any(v in ("delete", "update", "*") for _, _, v in _granted(operator_role))
-    assert ("sdcguard.dev", "nodereplacements", "patch") in _granted(approver_role)
+    for role in (operator_role, roles["sdcguard-alarm-keys"]):
+        assert not any(v in ("delete", "update", "*") for _, _, v in _granted(role))
+    assert {("sdcguard.dev", "nodereplacements", "patch"), ("sdcguard.dev", "nodereplacements", "approve")} <= \
+        _granted(approver_role)
+    assert not any(v == "approve" for _, _, v in _granted(operator_role))  # the operator never decides
 
 
 def test_chart_crds_and_plain_manifests_do_not_drift(tmp_path: Path) -> None:

@@ -3,21 +3,26 @@ Kubernetes emulator, real boto3 against the local SageMaker endpoint.
 
 One world (emulators + operator) serves this module; every test uses its own namespace, job and
 nodes, and the storm guard is raised so the tests cannot hold each other back (it has its own
-module, test_operator_stormguard.py).
+module, test_operator_stormguard.py). NodeReplacement writes pass the operator's admission webhook
+(the emulator calls it as the API server would), and every alarm Event is signed with its job's key.
 """
 from __future__ import annotations
 
 import json
+import re
+import secrets
 
 import pytest
 from conftest import CLUSTER, GROUP, dump, make_alarm, new_instance
+
+from sdcguard.contract import alarm, events
 
 pytestmark = pytest.mark.operator
 
 
 @pytest.fixture(scope="module")
 def world(make_world):
-    return make_world(SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES="50")
+    return make_world(admission=True, SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES="50")
 
 
 def _setup(world, ns: str, n_nodes: int = 3, enabled: bool = True):
@@ -69,13 +74,17 @@ def test_happy_path_event_to_replaced(world):
 
     approve = world.kubectl("sdcguard", "approve", nodes[1], "--reason", "replay mismatch twice")
     assert approve.returncode == 0, approve.stderr
+    assert approve.stdout.strip() == f"nodereplacement {nodes[1]} ({nodes[1]}) approved by tester"
     world.wait(lambda: _phase(world, nodes[1]) == "Replaced", what="Replaced")
     replaces = world.aws.calls("BatchReplaceClusterNodes")
     assert [c["ids"] for c in replaces] == [[ids[1]]] and replaces[0]["outcome"] == "ok"
     nrep = world.replacement(nodes[1])
     assert nrep["status"]["decision"]["decision"] == "Approved"
     assert nrep["status"]["decision"]["reason"] == "replay mismatch twice"
-    assert "kube: tester" in nrep["status"]["decision"]["by"]
+    assert (nrep["status"]["decision"]["by"], nrep["status"]["decision"]["groups"]) == (
+        "tester", ["system:authenticated"])  # from the API server's authentication, via admission
+    assert nrep["status"]["target"] == {"nodeName": nodes[1], "instanceId": ids[1], "clusterName": CLUSTER,
+                                        "instanceGroup": GROUP}
     assert ids[1] not in world.aws.node_statuses(CLUSTER)  # the old instance is gone
     world.wait(lambda: world.incident(ns, name)["status"]["phase"] == "Resolved", what="incident resolved")
     again = world.kubectl("sdcguard", "deny", nodes[1])
@@ -99,10 +108,12 @@ def test_deny_with_plain_kubectl_patch_uncordons(world):
     assert world.node_state(nodes[2]) == (False, None)
     nrep = world.replacement(nodes[2])
     assert nrep["status"]["decision"]["decision"] == "Denied"
-    assert nrep["status"]["decision"]["by"].startswith("unknown")
+    assert nrep["status"]["decision"]["by"] == "tester"  # a plain patch is attributed all the same
     assert world.aws.calls("BatchReplaceClusterNodes", ids[2]) == []
-    # one-way: a later Approved is ignored
-    world.kubectl("patch", "nodereplacement", nodes[2], "--type=merge", "-p", '{"spec":{"decision":"Approved"}}')
+    # one-way: a later Approved is refused at admission
+    again = world.kubectl("patch", "nodereplacement", nodes[2], "--type=merge", "-p", '{"spec":{"decision":"Approved"}}')
+    assert again.returncode != 0 and "spec.decision is final: Denied cannot become Approved" in again.stderr
+    assert world.replacement(nodes[2])["spec"]["decision"] == "Denied"
     world.wait(lambda: _phase(world, nodes[2]) == "Denied", what="still Denied")
     assert world.aws.calls("BatchReplaceClusterNodes", ids[2]) == []
 
@@ -181,28 +192,50 @@ def test_alarm_without_suspects_suspends_and_cordons_nothing(world):
     assert [world.node_state(n) for n in nodes] == [(False, None), (False, None)]
 
 
-REJECTIONS = {
-    "MalformedAlarm": lambda ns, pods, nodes: {"raw": "{not json"},
-    "UnsupportedSchema": lambda ns, pods, nodes: {"raw": json.dumps(
+def _tampered(world, ns, pods, nodes):
+    """A genuinely signed alarm whose text was changed afterwards (a healthy node named instead)."""
+    signed = alarm.dumps(make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[1])]))
+    signature = events.alarm_signature(world.alarm_key(ns, "llm"), signed)
+    return {"raw": signed.replace(nodes[1], nodes[0]).replace(pods[1], pods[0]), "signature": signature}
+
+
+REJECTIONS = {  # case -> kwargs of world.alarm_event; the reason is the case up to its first "-"
+    "MalformedAlarm": lambda world, ns, pods, nodes: {"raw": "{not json"},
+    "UnsupportedSchema": lambda world, ns, pods, nodes: {"raw": json.dumps(
         {**make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[1])]), "schema": "sdcguard.dev/alarm/v9"})},
-    "NodeMismatch": lambda ns, pods, nodes: {"record": make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[0])])},
-    "PodNotFound": lambda ns, pods, nodes: {"record": make_alarm(ns, "llm", suspects=[(1, "llm-worker-9", nodes[1])])},
-    "JobNotEnabled": lambda ns, pods, nodes: {"record": make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[1])])},
+    "NodeMismatch": lambda world, ns, pods, nodes: {"record": make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[0])])},
+    "PodNotFound": lambda world, ns, pods, nodes: {"record": make_alarm(ns, "llm",
+                                                                        suspects=[(1, "llm-worker-9", nodes[1])])},
+    # the job was enabled once (its key Secret is still there), not any more
+    "JobNotEnabled": lambda world, ns, pods, nodes: {"record": make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[1])]),
+                                                     "key": world.plant_key(ns, "llm")},
+    "UnsignedAlarm": lambda world, ns, pods, nodes: {"record": make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[1])]),
+                                                     "sign": False},
+    "BadSignature-wrong-key": lambda world, ns, pods, nodes: {
+        "record": make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[1])]), "key": secrets.token_bytes(32)},
+    "BadSignature-tampered": _tampered,
 }
 
 
-@pytest.mark.parametrize("reason", sorted(REJECTIONS))
-def test_rejected_alarms_touch_nothing(world, reason):
-    ns = f"reject-{reason.lower()}"
+def _metric(world, sample: str) -> float:
+    found = re.search(rf"^{re.escape(sample)} (\S+)$", world.metrics(), re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.mark.parametrize("case", sorted(REJECTIONS))
+def test_rejected_alarms_touch_nothing(world, case):
+    reason = case.split("-")[0]
+    ns = f"reject-{case.lower()}"
     ids, nodes, pods = _setup(world, ns, enabled=(reason != "JobNotEnabled"))
-    event = world.alarm_event(ns, **REJECTIONS[reason](ns, pods, nodes))
+    sample = f'sdcguard_alarms_rejected_total{{reason="{reason}"}}'
+    before = _metric(world, sample)
+    event = world.alarm_event(ns, **REJECTIONS[case](world, ns, pods, nodes))
     world.wait(lambda: world.event_annotation(ns, event), what="intake annotation")
     assert world.event_annotation(ns, event) == f"rejected:{reason}"
     assert world.incidents(ns) == []
     assert [world.node_state(n) for n in nodes] == [(False, None)] * 3
     assert not world.job_suspended(ns, "llm")
-    assert world.wait(lambda: f'sdcguard_alarms_rejected_total{{reason="{reason}"}} 1.0' in world.metrics(),
-                      what="rejection metric")
+    assert world.wait(lambda: _metric(world, sample) == before + 1, what="rejection metric")
     reports = world.wait(lambda: [e for e in world.core.list_namespaced_event(ns).items
                                   if e.reason == "AlarmRejected"], what="AlarmRejected Event")
     assert reason in reports[0].message and reports[0].type == "Warning"
@@ -252,11 +285,12 @@ def test_early_approval_waits_for_the_health_check(world):
     world.alarm_event(ns, make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[1])], reporter=(0, pods[0], nodes[0])))
     world.wait(lambda: (world.replacement(nodes[1]).get("status") or {}).get("healthCheck", {}).get("requestedAt"),
                what="health check requested")
-    assert world.kubectl("sdcguard", "approve", nodes[1], "--by", "oncall-bot").returncode == 0
+    assert world.kubectl("sdcguard", "approve", nodes[1]).returncode == 0
     world.wait(lambda: _phase(world, nodes[1]) == "Replaced", what="Replaced")
-    events = [t["event"] for t in world.replacement(nodes[1])["status"]["timeline"]]
-    assert events.index("HealthCheckPassed") < events.index("Approved") < events.index("ReplaceRequested"), events
-    assert world.replacement(nodes[1])["status"]["decision"]["by"] == "oncall-bot"
+    timeline = [t["event"] for t in world.replacement(nodes[1])["status"]["timeline"]]
+    assert timeline.index("HealthCheckPassed") < timeline.index("Approved") < timeline.index("ReplaceRequested"), \
+        timeline
+    assert world.replacement(nodes[1])["status"]["decision"]["by"] == "tester"
     assert len(world.aws.calls("BatchReplaceClusterNodes", ids[1])) == 1
 
 
@@ -279,3 +313,100 @@ def test_incident_opened_by_an_older_operator_gets_its_recovery_plan_and_keeps_i
     assert status["suspectWindow"] == {"firstStep": 9, "lastStep": 12, "range": "9-12"}
     assert (status["resumeFrom"], status["resumeFromStep"], status["stepsAtRisk"]) == ("ckpt-8.pt", 8, 4)
     assert status["timeline"] == timeline and status["phase"] == "Contained"
+
+
+def test_deciding_needs_the_approve_verb_and_the_target_is_fixed_at_admission(world):
+    ns = "admission"
+    ids, nodes, pods = _setup(world, ns, n_nodes=2)
+    world.alarm_event(ns, make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[1])], reporter=(0, pods[0], nodes[0])))
+    world.wait(lambda: _phase(world, nodes[1]) == "PendingApproval", what="PendingApproval")
+    mallory = world.kube.add_user("mallory-token", "mallory")  # may patch (in a real cluster), not approve
+    refused = world.kubectl("sdcguard", "approve", nodes[1], kubeconfig=mallory)
+    assert refused.returncode == 1
+    assert f"mallory may not decide NodeReplacement {nodes[1]}" in refused.stderr
+    assert "RBAC verb approve on nodereplacements.sdcguard.dev" in refused.stderr
+    forged = world.kubectl("patch", "nodereplacement", nodes[1], "--type=merge", "-p", json.dumps(
+        {"spec": {"decision": "Approved", "decidedBy": "tester"}}), kubeconfig=mallory)
+    assert forged.returncode != 0 and "mallory may not decide" in forged.stderr
+    review = world.kube.emulator.access_reviews[-1]
+    assert review["spec"]["user"] == "mallory" and review["spec"]["resourceAttributes"] == {
+        "group": "sdcguard.dev", "resource": "nodereplacements", "verb": "approve", "name": nodes[1]}
+    # an approver may decide, but not redirect the replacement or speak for someone else
+    moved = world.kubectl("patch", "nodereplacement", nodes[1], "--type=merge", "-p",
+                          json.dumps({"spec": {"instanceId": ids[0]}}))
+    assert moved.returncode != 0 and "spec.instanceId: the target of a NodeReplacement is fixed" in moved.stderr
+    claimed = world.kubectl("patch", "nodereplacement", nodes[1], "--type=merge", "-p",
+                            json.dumps({"spec": {"decidedBy": "someone-else"}}))
+    assert claimed.returncode != 0 and "never written by a client" in claimed.stderr
+    assert world.replacement(nodes[1])["spec"].get("decision", "") == ""
+    # approval through a group binding; a client's own decidedBy is overwritten with the real user
+    carol = world.kube.add_user("carol-token", "carol", groups=["oncall"])
+    world.kube.grant("group:oncall", "approve", "nodereplacements.sdcguard.dev")
+    done = world.kubectl("patch", "nodereplacement", nodes[1], "--type=merge", "-p", json.dumps(
+        {"spec": {"decision": "Denied", "decidedBy": "mallory", "decisionReason": "false alarm"}}), kubeconfig=carol)
+    assert done.returncode == 0, done.stderr
+    spec = world.replacement(nodes[1])["spec"]
+    assert (spec["decidedBy"], spec["decidedByGroups"]) == ("carol", ["oncall", "system:authenticated"])
+    world.wait(lambda: _phase(world, nodes[1]) == "Denied", what="Denied")
+    assert world.replacement(nodes[1])["status"]["decision"]["by"] == "carol"
+    assert world.aws.calls("BatchReplaceClusterNodes", ids[1]) == []
+
+
+def test_a_target_changed_behind_the_webhook_fails_the_replacement_and_replaces_nothing(world):
+    ns = "retarget"
+    ids, nodes, pods = _setup(world, ns, n_nodes=2)
+    world.alarm_event(ns, make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[1])], reporter=(0, pods[0], nodes[0])))
+    world.wait(lambda: _phase(world, nodes[1]) == "PendingApproval", what="PendingApproval")
+    world.admission(False)  # no webhook (nor CEL rules: the emulator has none) stops this now
+    try:
+        patched = world.kubectl("patch", "nodereplacement", nodes[1], "--type=merge", "-p",
+                                json.dumps({"spec": {"instanceId": ids[0], "decision": "Approved"}}))
+        assert patched.returncode == 0, patched.stderr
+    finally:
+        world.admission(True)
+    world.wait(lambda: _phase(world, nodes[1]) == "Failed", what="Failed")
+    status = world.replacement(nodes[1])["status"]
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "TargetChanged" and ids[0] in failed["message"] and ids[1] in failed["message"]
+    assert status["target"]["instanceId"] == ids[1]
+    assert world.aws.calls("BatchReplaceClusterNodes", ids[0]) == []
+    assert world.aws.calls("BatchReplaceClusterNodes", ids[1]) == []
+    assert world.node_state(nodes[1]) == (True, "true") and world.node_state(nodes[0]) == (False, None)
+
+
+def test_replacements_without_a_recorded_target_take_it_from_their_incident_or_are_left_alone(world):
+    """One opened by an operator that did not record targets yet continues on its incident's record;
+    one nobody recorded (not made by the operator) is never acted on."""
+    ns = "upgrade"
+    ids = [new_instance() for _ in range(2)]
+    nodes = [world.node(i) for i in ids]
+    world.job(ns, "llm")
+    record = make_alarm(ns, "llm", step=9, suspects=[(0, f"llm-worker-0", nodes[0])])
+    world.custom.create_namespaced_custom_object("sdcguard.dev", "v1", ns, "sdcincidents", {
+        "apiVersion": "sdcguard.dev/v1", "kind": "SDCIncident", "metadata": {"name": "llm-replay-9", "namespace": ns},
+        "spec": {"job": record["job"], "check": "replay", "step": 9, "ambiguous": False, "suspects": record["suspects"],
+                 "reporter": record["reporter"], "suspectWindow": {"firstStep": 9, "lastStep": 9},
+                 "lastVerifiedStep": 8, "lastGoodCheckpoint": None, "alarmId": record["id"], "event": "e",
+                 "alarm": record},
+        "status": {"phase": "AwaitingApproval", "suspectWindow": {"firstStep": 9, "lastStep": 9, "range": "9-9"},
+                   "nodes": {nodes[0]: {"cordoned": True, "instanceId": ids[0], "cluster": CLUSTER,
+                                        "instanceGroup": GROUP, "replacement": nodes[0]}},
+                   "replacements": {nodes[0]: "PendingApproval"},
+                   "conditions": [{"type": "JobSuspended", "status": "True", "reason": "Suspended", "message": "",
+                                   "lastTransitionTime": "2026-01-01T00:00:01Z"}]}})
+    for node, instance, incidents in ((nodes[0], ids[0], [f"{ns}/llm-replay-9"]), (nodes[1], ids[1], [])):
+        world.custom.create_cluster_custom_object("sdcguard.dev", "v1", "nodereplacements", {
+            "apiVersion": "sdcguard.dev/v1", "kind": "NodeReplacement", "metadata": {"name": node},
+            "spec": {"nodeName": node, "instanceId": instance, "clusterName": CLUSTER, "instanceGroup": GROUP,
+                     "incidents": incidents},
+            "status": {"phase": "PendingApproval", "healthCheck": {"result": "Skipped"}}})
+    world.wait(lambda: world.replacement(nodes[0])["status"].get("target"), what="target from the incident")
+    assert world.replacement(nodes[0])["status"]["target"] == {"nodeName": nodes[0], "instanceId": ids[0],
+                                                               "clusterName": CLUSTER, "instanceGroup": GROUP}
+    for node in nodes:
+        assert world.kubectl("sdcguard", "approve", node).returncode == 0
+    world.wait(lambda: _phase(world, nodes[0]) == "Replaced", what="Replaced")
+    assert [c["ids"] for c in world.aws.calls("BatchReplaceClusterNodes", ids[0])] == [[ids[0]]]
+    stray = world.replacement(nodes[1])
+    assert "target" not in stray["status"] and stray["status"]["phase"] == "PendingApproval"
+    assert world.aws.calls("BatchReplaceClusterNodes", ids[1]) == []

@@ -2,12 +2,15 @@
 
 Records are written by the library's own spool writer; Events are read back through the official
 client. "API server down" is a real outage: the sidecar's kubeconfig points at a port where
-nothing listens until a TCP proxy to the emulator is opened there.
+nothing listens until a TCP proxy to the emulator is opened there. The signing key is a file laid
+out as the kubelet lays out a Secret volume (``key -> ..data/key``, ``..data`` a symlink swapped
+atomically on an update).
 """
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -55,18 +58,44 @@ def record(alarm_id: str, *, namespace: str, check: str = alarm.CHECK_REPLAY, st
         last_good_checkpoint="checkpoint-19.pt")
 
 
-class Sidecar:
-    """`python -m sdcguard.cli sidecar ...` with short intervals; its log is kept for assertions."""
+class SecretVolume:
+    """A Secret volume as the kubelet writes it: ``<dir>/key -> ..data/key``, ``..data -> ..<version>``."""
 
-    def __init__(self, spool_dir: Path, kubeconfig: Path) -> None:
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.versions = 0
+        self.path = self.dir / names.ALARM_KEY_DATA_KEY
+
+    def write(self, key: bytes) -> bytes:
+        self.versions += 1
+        version = self.dir / f"..v{self.versions}"
+        version.mkdir()
+        (version / names.ALARM_KEY_DATA_KEY).write_bytes(key)
+        (self.dir / "..data_tmp").symlink_to(version.name)
+        os.replace(self.dir / "..data_tmp", self.dir / "..data")  # the atomic swap
+        if not self.path.is_symlink():
+            self.path.symlink_to(f"..data/{names.ALARM_KEY_DATA_KEY}")
+        return key
+
+
+class Sidecar:
+    """`python -m sdcguard.cli sidecar ...` with short intervals; its log is kept for assertions.
+    Signs with a fresh key in a Secret-like volume unless ``key_file`` names another file."""
+
+    def __init__(self, spool_dir: Path, kubeconfig: Path, key_file: Path | None = None, *extra: str) -> None:
         self.port = free_port()
         self.log = spool_dir.parent / f"sidecar-{self.port}.log"
+        if key_file is None:
+            self.volume = SecretVolume(spool_dir.parent / f"key-{self.port}")
+            self.key = self.volume.write(secrets.token_bytes(32))
+            key_file = self.volume.path
         env = {**os.environ, "POD_NAME": "llm-worker-0", "POD_NAMESPACE": "fallback", "NODE_NAME": "node-a"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sdcguard.cli", "sidecar", "--spool", str(spool_dir), "--kubeconfig",
              str(kubeconfig), "--metrics-host", "127.0.0.1", "--metrics-port", str(self.port),
              "--poll-interval", "0.2", "--backoff-initial", "0.2", "--backoff-max", "0.8", "--settle", "0.5",
-             "--drain", "2"],
+             "--drain", "2", "--key-file", str(key_file), *extra],
             env=env, stdout=subprocess.DEVNULL, stderr=open(self.log, "w"))
         wait_for(lambda: self.get("/healthz")[0] == 200, "sidecar HTTP endpoint")
 
@@ -140,6 +169,9 @@ def test_publishes_each_record_once_quarantines_corrupt_files_and_exports_stats(
         assert first.type == "Warning" and first.source.component == "sdcguard-agent"
         assert first.involved_object.kind == "Pod" and first.involved_object.name == "llm-worker-1"
         assert alarm.loads(first.metadata.annotations[names.ALARM_ANNOTATION]) == replay
+        signature = first.metadata.annotations[names.ALARM_SIGNATURE_ANNOTATION]
+        assert signature == events.alarm_signature(sidecar.key, first.metadata.annotations[names.ALARM_ANNOTATION])
+        assert signature.startswith("v1=") and len(signature) == 3 + 64
         assert "check replay at step 40" in first.message and "\n" not in first.message
         second = got[events.event_name(reduced["id"])]
         assert second.involved_object.name == "llm-worker-0"  # no suspect: the reporter's pod
@@ -275,6 +307,59 @@ def test_sigterm_drains_then_stops_leaving_unpublished_records_in_the_spool(tmp_
     lines = [json.loads(line) for line in sidecar.output().splitlines()]  # structured logs
     assert any("stopping with 1 unpublished record(s)" in line["message"] and line["level"] == "ERROR"
                for line in lines)
+
+
+def _signature(kube: Any, namespace: str, alarm_id: str) -> str | None:
+    api = kubernetes.client.CoreV1Api(kube.api_client())
+    annotations = api.read_namespaced_event(events.event_name(alarm_id), namespace).metadata.annotations or {}
+    return annotations.get(names.ALARM_SIGNATURE_ANNOTATION)
+
+
+def test_records_wait_for_the_key_and_are_signed_with_the_current_key_after_rotation(
+        kube: Any, tmp_path: Path) -> None:
+    spool_dir = tmp_path / "spool"
+    volume = SecretVolume(tmp_path / "key")  # mounted, but the operator has not written the Secret yet
+    sidecar = Sidecar(spool_dir, kube.kubeconfig, volume.path)
+    try:
+        first = record("job5-replay-step1", namespace="signed", step=1)
+        spool.write_alarm(spool_dir, first)
+        wait_for(lambda: (sidecar.metric('sdcguard_sidecar_publish_errors_total{reason="no-key"}') or 0) >= 2,
+                 "passes without a key")
+        assert alarm_events(kube, "signed") == [] and len(spool.list_alarms(spool_dir)) == 1
+        assert "alarms wait in the spool until it appears" in sidecar.output()
+
+        old = volume.write(secrets.token_bytes(32))
+        wait_for(lambda: len(published(spool_dir)) == 1, "the record, once the key is there")
+        text = alarm.dumps(first)
+        assert _signature(kube, "signed", first["id"]) == events.alarm_signature(old, text)
+        assert events.signature_matches(old, text, _signature(kube, "signed", first["id"]))
+
+        new = volume.write(secrets.token_bytes(48))  # the Secret replaced mid-job: the kubelet swaps ..data
+        second = record("job5-replay-step2", namespace="signed", step=2)
+        spool.write_alarm(spool_dir, second)
+        wait_for(lambda: len(published(spool_dir)) == 2, "the record after the rotation")
+        assert _signature(kube, "signed", second["id"]) == events.alarm_signature(new, alarm.dumps(second))
+        assert not events.signature_matches(old, alarm.dumps(second), _signature(kube, "signed", second["id"]))
+        assert "the alarm key changed (rotated)" in sidecar.output()
+
+        volume.write(b"short")  # not a usable key: wait again rather than sign with it
+        third = record("job5-replay-step3", namespace="signed", step=3)
+        spool.write_alarm(spool_dir, third)
+        wait_for(lambda: "fewer than 32" in sidecar.output(), "the short key refused")
+        assert len(spool.list_alarms(spool_dir)) == 1
+    finally:
+        assert sidecar.stop() == 0
+
+
+def test_allow_unsigned_publishes_without_a_key(kube: Any, tmp_path: Path) -> None:
+    spool_dir = tmp_path / "spool"
+    sidecar = Sidecar(spool_dir, kube.kubeconfig, tmp_path / "absent" / "key", "--allow-unsigned")
+    try:
+        spool.write_alarm(spool_dir, record("job6-replay-step1", namespace="unsigned", step=1))
+        wait_for(lambda: len(published(spool_dir)) == 1, "the unsigned record")
+        assert _signature(kube, "unsigned", "job6-replay-step1") is None
+    finally:
+        assert sidecar.stop() == 0
 
 
 def test_event_names_are_deterministic_valid_and_distinct() -> None:

@@ -68,19 +68,23 @@ def free_port() -> int:
 
 
 class WebhookOperator:
-    """kopf.run() in a thread with only the webhook registered; HTTPS on ``self.url``."""
+    """kopf.run() in a thread with only the webhook registered (the pod webhook; ``register`` and
+    ``handler_id`` pick another); HTTPS on ``self.url``."""
 
-    def __init__(self, kube: Any, workdir: Path) -> None:
+    def __init__(self, kube: Any, workdir: Path, register: Any = webhook.register,
+                 handler_id: str = webhook.HANDLER_ID, env: dict[str, str] | None = None) -> None:
         self.kube = kube
         self.port = free_port()
         self.tls = make_tls(workdir / "tls")
         env = {"KUBECONFIG": str(kube.kubeconfig), "SDCGUARD_WEBHOOK_CERT_DIR": str(self.tls),
                "SDCGUARD_WEBHOOK_PORT": str(self.port), "SDCGUARD_WEBHOOK_ADDR": "127.0.0.1",
-               "SDCGUARD_SIDECAR_IMAGE": IMAGE, "SDCGUARD_SIDECAR_METRICS_PORT": "9464"}
+               "SDCGUARD_SIDECAR_IMAGE": IMAGE, "SDCGUARD_SIDECAR_METRICS_PORT": "9464", **(env or {})}
         self._saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         registry = kopf.OperatorRegistry()
-        webhook.register(registry)
+        register(registry)
+        if register is not webhook.register:  # kopf refuses admission handlers without a server
+            kopf.on.startup(registry=registry)(webhook.configure)
 
         @kopf.on.login(registry=registry)
         def login(**kwargs: Any) -> Any:
@@ -92,7 +96,7 @@ class WebhookOperator:
             stop_flag=self.stop_flag, ready_flag=self.ready_flag), daemon=True)
         self.thread.start()
         assert self.ready_flag.wait(30), "kopf did not start"
-        self.url = f"https://127.0.0.1:{self.port}/{webhook.HANDLER_ID}"
+        self.url = f"https://127.0.0.1:{self.port}/{handler_id}"
         self.ssl = ssl.create_default_context(cafile=str(self.tls / "tls.crt"))
         _wait_listening(self.port)
 
@@ -108,10 +112,14 @@ class WebhookOperator:
             "userInfo": {"username": "system:serviceaccount:kubeflow:training-operator"},
             "object": pod, "oldObject": None, "dryRun": False,
             "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"}}}
-        req = urllib.request.Request(self.url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        return self.post(body)
+
+    def post(self, review: dict[str, Any]) -> dict[str, Any]:
+        """POST an AdmissionReview as the API server does; return the response payload."""
+        req = urllib.request.Request(self.url, json.dumps(review).encode(), {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, context=self.ssl, timeout=15) as resp:
             answer = json.loads(resp.read())
-        assert answer["kind"] == "AdmissionReview" and answer["response"]["uid"] == uid
+        assert answer["kind"] == "AdmissionReview" and answer["response"]["uid"] == review["request"]["uid"]
         return answer["response"]
 
     def stop(self) -> None:
@@ -194,10 +202,19 @@ def test_pod_of_an_annotated_job_gets_sidecar_spool_identity_and_settings(server
     out = apply(pod, response)
     kubernetes_validate.validate(out, K8S_VERSION, strict=True)
     spec = out["spec"]
-    assert spec["volumes"] == [{"name": names.SPOOL_VOLUME, "emptyDir": {}}]
+    assert spec["volumes"] == [{"name": names.SPOOL_VOLUME, "emptyDir": {}}, {"name": names.ALARM_KEY_VOLUME, "secret": {
+        "secretName": "sdcguard-alarm-key-llm", "optional": True, "defaultMode": 0o444}}]
     [sidecar] = spec["initContainers"]
     assert sidecar["name"] == names.SIDECAR_CONTAINER and sidecar["image"] == IMAGE
     assert sidecar["restartPolicy"] == "Always" and sidecar["args"][0] == "sidecar"
+    # the signing key: in the sidecar only, read-only; the training containers never see it
+    assert {"name": names.ALARM_KEY_VOLUME, "mountPath": names.ALARM_KEY_MOUNT, "readOnly": True} in \
+        sidecar["volumeMounts"]
+    assert sidecar["args"][sidecar["args"].index("--key-file") + 1] == names.ALARM_KEY_FILE
+    assert names.ALARM_KEY_FILE.startswith(names.ALARM_KEY_MOUNT + "/")
+    for container in spec["containers"]:
+        assert all(m["name"] != names.ALARM_KEY_VOLUME for m in container["volumeMounts"])
+        assert not any("KEY" in e["name"] for e in container.get("env", []))
     for container in spec["containers"] + [sidecar]:
         assert {"name": names.SPOOL_VOLUME, "mountPath": names.SPOOL_PATH} in container["volumeMounts"]
         env = env_of(container)
@@ -281,6 +298,18 @@ def test_job_lookup_fails_open_within_its_timeout_when_the_api_server_is_unreach
     annotations, problem = asyncio.run(jobs.get("ml", "llm"))
     assert annotations is None and problem and "could not read PyTorchJob ml/llm" in problem
     assert time.monotonic() - started < 3
+
+
+def test_a_training_container_cannot_claim_the_key_volume_by_name() -> None:
+    pod = job_pod("llm")
+    pod["spec"]["volumes"] = [{"name": names.ALARM_KEY_VOLUME, "emptyDir": {}}]
+    pod["spec"]["containers"][0]["volumeMounts"] = [{"name": names.ALARM_KEY_VOLUME, "mountPath": "/stolen"}]
+    out, _ = webhook.mutated(pod, {"sdcguard.dev/enabled": "true"}, webhook.SidecarSettings(image=IMAGE))
+    assert out is not None
+    assert [v for v in out["spec"]["volumes"] if v["name"] == names.ALARM_KEY_VOLUME] == [
+        {"name": names.ALARM_KEY_VOLUME, "secret": {"secretName": "sdcguard-alarm-key-llm", "optional": True,
+                                                    "defaultMode": 0o444}}]
+    assert all(m["name"] != names.ALARM_KEY_VOLUME for c in out["spec"]["containers"] for m in c["volumeMounts"])
 
 
 def test_plan_and_inject_are_pure_and_idempotent() -> None:

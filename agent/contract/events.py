@@ -2,11 +2,16 @@
 
 The Event's name is a pure function of the alarm id, so a sidecar that crashed after the API
 server stored the Event but before it moved the record out of the spool collides with its own
-earlier Event (HTTP 409) instead of publishing a duplicate. Standard library only.
+earlier Event (HTTP 409) instead of publishing a duplicate.
+
+Signed alarms (SPEC §4): the sidecar adds ``sdcguard.dev/alarm-signature: v1=<hex HMAC-SHA256(key,
+UTF-8 bytes of the sdcguard.dev/alarm annotation value)>`` with the job's key; the operator checks
+it with :func:`signature_matches` (constant time) before it acts on anything. Standard library only.
 """
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 from typing import Any, Mapping
 
@@ -23,6 +28,18 @@ def event_name(alarm_id: str) -> str:
     slug = _NOT_DNS.sub("-", alarm_id.lower()).strip("-")[:_SLUG_MAX].strip("-") or "alarm"
     digest = hashlib.sha256(alarm_id.encode("utf-8")).hexdigest()[:10]
     return f"sdcguard-{slug}-{digest}"
+
+
+def alarm_signature(key: bytes, annotation: str) -> str:
+    """The signature annotation's value for the exact alarm annotation text."""
+    digest = hmac.new(key, annotation.encode("utf-8"), hashlib.sha256).hexdigest()
+    return f"{names.ALARM_SIGNATURE_SCHEME}={digest}"
+
+
+def signature_matches(key: bytes, annotation: str, signature: str) -> bool:
+    """Whether ``signature`` signs ``annotation`` with ``key``; compared in constant time."""
+    return hmac.compare_digest(alarm_signature(key, annotation).encode("ascii"),
+                               signature.encode("utf-8", "surrogatepass"))
 
 
 def event_namespace(record: Mapping[str, Any], fallback: str) -> str:
@@ -60,9 +77,10 @@ def message(record: Mapping[str, Any]) -> str:
 
 def build_event(
     record: Mapping[str, Any], *, fallback_namespace: str, fallback_pod: str | None = None,
-    host: str | None = None,
+    host: str | None = None, key: bytes | None = None,
 ) -> dict[str, Any]:
-    """The Event body for one validated alarm record (a plain dict, ready to POST)."""
+    """The Event body for one validated alarm record (a plain dict, ready to POST), signed with
+    ``key`` when one is given."""
     namespace = event_namespace(record, fallback_namespace)
     pod = involved_pod(record) or fallback_pod
     if pod:
@@ -76,6 +94,10 @@ def build_event(
     source: dict[str, str] = {"component": names.EVENT_COMPONENT}
     if host:
         source["host"] = host
+    text = _alarm.dumps(record)
+    annotations = {names.ALARM_ANNOTATION: text}
+    if key is not None:
+        annotations[names.ALARM_SIGNATURE_ANNOTATION] = alarm_signature(key, text)
     return {
         "apiVersion": "v1",
         "kind": "Event",
@@ -83,7 +105,7 @@ def build_event(
             "name": event_name(record["id"]),
             "namespace": namespace,
             "labels": {names.CHECK_LABEL: _NOT_DNS.sub("-", str(record["check"]).lower())[:63].strip("-")},
-            "annotations": {names.ALARM_ANNOTATION: _alarm.dumps(record)},
+            "annotations": annotations,
         },
         "type": "Warning",
         "reason": names.EVENT_REASON,

@@ -36,7 +36,15 @@ SIDECAR_METRICS_PORT = 9464
 SIDECAR_METRICS_PORT_NAME = "sdc-metrics"
 """The sidecar's container port name; the chart's PodMonitor scrapes it by this name."""
 ALARM_KEY_SECRET_PREFIX = "sdcguard-alarm-key-"
+"""Per job: the Secret ``sdcguard-alarm-key-<job name>`` (SPEC §4), created by the operator."""
 ALARM_KEY_DATA_KEY = "key"
+ALARM_KEY_MIN_BYTES = 32
+ALARM_KEY_VOLUME = "sdcguard-alarm-key"
+ALARM_KEY_MOUNT = "/var/run/sdcguard-key"
+"""Where the webhook mounts the job's key Secret, in the sidecar container only."""
+ALARM_KEY_FILE = f"{ALARM_KEY_MOUNT}/{ALARM_KEY_DATA_KEY}"
+ALARM_SIGNATURE_SCHEME = "v1"
+"""``sdcguard.dev/alarm-signature: v1=<hex HMAC-SHA256(key, UTF-8 alarm annotation)>``."""
 
 # -- the operator's marks on nodes and objects ----------------------------------------------------
 SUSPECT_LABEL = f"{GROUP}/suspect"
@@ -57,5 +65,7 @@ ENV_JOB_KIND = "SDCGUARD_JOB_KIND"
 ENV_POD_NAME = "POD_NAME"
 ENV_POD_NAMESPACE = "POD_NAMESPACE"
 ENV_NODE_NAME = "NODE_NAME"
+ENV_ALARM_KEY_FILE = "SDCGUARD_ALARM_KEY_FILE"
+"""The sidecar's signing key file (default ``ALARM_KEY_FILE``)."""
 DOWNWARD_API = {ENV_POD_NAME: "metadata.name", ENV_POD_NAMESPACE: "metadata.namespace", ENV_NODE_NAME: "spec.nodeName"}
 """Environment variable -> downward-API field path, as the webhook adds them."""

@@ -11,6 +11,11 @@ something that does not write atomically and has stopped changing) is moved to
 record whose Event the API server rejects as invalid (400/413/422), so it cannot block the others.
 Published records are kept in ``published/`` (not deleted) as an audit trail for the pod's life.
 
+Every Event is signed (SPEC §4) with the job's key from the mounted Secret (``--key-file``,
+:mod:`.signing`), reread when it changes. Without a usable key the records wait in the spool
+(``sdcguard_sidecar_publish_errors_total{reason="no-key"}``) — unless ``--allow-unsigned``, for an
+operator that runs with ``SDCGUARD_REQUIRE_SIGNED_ALARMS=false``.
+
 Standard library, ``kubernetes`` and ``prometheus_client`` only: no torch (the image is small).
 """
 from __future__ import annotations
@@ -35,6 +40,7 @@ from ..contract import events
 from ..contract import names
 from ..contract import spool
 from .metrics import HealthState, PublisherMetrics, RankStatsCollector, serve
+from .signing import AlarmKey
 
 log = logging.getLogger("sdcguard.sidecar")
 
@@ -113,21 +119,30 @@ class Publisher:
 
     def __init__(
         self, spool_dir: Path, sink: EventSink, identity: Identity, metrics: PublisherMetrics,
-        settle: float = 2.0, clock: Callable[[], float] = time.time,
+        key: AlarmKey, allow_unsigned: bool = False, settle: float = 2.0, clock: Callable[[], float] = time.time,
     ) -> None:
         self.spool = spool_dir
         self.sink = sink
         self.identity = identity
         self.metrics = metrics
+        self.key = key
+        self.allow_unsigned = allow_unsigned
         self.settle = settle
         self._clock = clock
 
     def run_once(self) -> bool:
-        """Publish what the spool holds; False when the API server failed us (back off)."""
+        """Publish what the spool holds; False when the API server failed us or there is no key
+        to sign with (back off)."""
         paths = spool.list_alarms(self.spool)
         self.metrics.backlog.set(len(paths))
+        if not paths:
+            return True
+        key = self.key.current()
+        if key is None and not self.allow_unsigned:
+            self.metrics.errors.labels("no-key").inc()
+            return False
         for path in paths:
-            body = self._event_for(path)
+            body = self._event_for(path, key)
             if body is None:
                 continue
             try:
@@ -159,7 +174,7 @@ class Publisher:
     def backlog(self) -> int:
         return len(spool.list_alarms(self.spool))
 
-    def _event_for(self, path: Path) -> dict[str, Any] | None:
+    def _event_for(self, path: Path, key: bytes | None) -> dict[str, Any] | None:
         """The Event body for a spool file; None (after quarantining it if need be) otherwise."""
         try:
             raw = path.read_bytes()
@@ -172,7 +187,7 @@ class Publisher:
         try:
             record = _alarm.loads(raw)
             return events.build_event(record, fallback_namespace=self.identity.namespace,
-                                      fallback_pod=self.identity.pod, host=self.identity.node)
+                                      fallback_pod=self.identity.pod, host=self.identity.node, key=key)
         except (_alarm.AlarmError, ValueError) as exc:
             if self._clock() - mtime < self.settle:
                 return None  # maybe still being written by a non-atomic writer: look again later
@@ -248,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "or %(default)s)")
     p.add_argument("--kubeconfig", default=env.get("KUBECONFIG") or None,
                    help="kubeconfig file (default: $KUBECONFIG, else the in-cluster service account)")
+    p.add_argument("--key-file", default=env.get(names.ENV_ALARM_KEY_FILE) or names.ALARM_KEY_FILE,
+                   help=f"the job's alarm-signing key, mounted from its Secret (default: ${names.ENV_ALARM_KEY_FILE} "
+                   "or %(default)s); reread when it changes")
+    p.add_argument("--allow-unsigned", action="store_true",
+                   help="publish unsigned Events while there is no usable key (only for an operator that runs "
+                   "with SDCGUARD_REQUIRE_SIGNED_ALARMS=false); by default records wait for the key")
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument("--metrics-port", type=int, default=names.SIDECAR_METRICS_PORT, help="0 picks a free port")
     p.add_argument("--poll-interval", type=float, default=1.0, help="seconds between spool scans")
@@ -292,7 +313,8 @@ def main(argv: list[str]) -> int:
     health = HealthState(stale_after=args.backoff_max + args.poll_interval + 60.0)
     server = serve(registry, health, args.metrics_host, args.metrics_port)
     sink = KubeEventSink(args.kubeconfig)
-    publisher = Publisher(spool_dir, sink, Identity.from_env(os.environ), metrics, settle=args.settle)
+    publisher = Publisher(spool_dir, sink, Identity.from_env(os.environ), metrics, AlarmKey(args.key_file),
+                          allow_unsigned=args.allow_unsigned, settle=args.settle)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -1,0 +1,151 @@
+"""Admission of NodeReplacements (SPEC §6): who decided, whether they may, and a fixed target.
+
+Modelled on cert-manager's CertificateRequest approval. The chart registers this handler as a
+mutating webhook with ``failurePolicy: Fail`` for CREATE and UPDATE of ``nodereplacements``
+(never ``/status``), so the rules hold for ``kubectl sdcguard``, ``kubectl patch`` and any client:
+
+- the decider is the AdmissionRequest's authenticated ``userInfo``: setting ``spec.decision``
+  writes ``spec.decidedBy`` (username) and ``spec.decidedByGroups``; whatever the client put there
+  is overwritten, and writing them without deciding is refused;
+- setting a decision needs the RBAC verb ``approve`` on ``nodereplacements.sdcguard.dev`` (the
+  ``sdcguard-approver`` ClusterRole), asked of the API server with a SubjectAccessReview; the
+  ``patch`` right that lets the request reach us is not enough;
+- a decision, once made, never changes (nor does its reason or its decider);
+- the target (node, instance, cluster, instance group) and the incident references are the
+  operator's: nobody else may change them after creation.
+
+The CRD repeats the immutability as CEL ``x-kubernetes-validations`` so that it holds while this
+webhook is absent. :func:`judge` is pure and decides everything but the SubjectAccessReview.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from sdcguard.contract import names
+
+from . import kube, metrics
+from .settings import Settings
+
+HANDLER_ID = "sdcguard-nodereplacement-admission"  # also the URL path kopf serves it at
+TARGET_FIELDS = ("nodeName", "instanceId", "clusterName", "instanceGroup")
+OPERATOR_FIELDS = TARGET_FIELDS + ("incidents",)
+DECIDER_FIELDS = ("decidedBy", "decidedByGroups")
+APPROVE_VERB = "approve"
+SAR_TIMEOUT = 3.0
+
+log = logging.getLogger("sdcguard_operator.admission")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Verdict:
+    """``allowed``, else ``message`` and ``code``; ``deciding``: the decision this request sets
+    (allowed only if the user may ``approve``)."""
+
+    allowed: bool
+    message: str = ""
+    code: int = 200
+    reason: str = "Allowed"
+    deciding: str | None = None
+
+
+def _refuse(reason: str, message: str, code: int = 403) -> Verdict:
+    return Verdict(False, message, code, reason)
+
+
+def judge(operation: str, old: Mapping[str, Any] | None, new: Mapping[str, Any] | None, username: str,
+          operator_username: str | None) -> Verdict:
+    """The rules above for ``spec`` before (``old``, None on CREATE) and after (``new``)."""
+    old, new = dict(old or {}), dict(new or {})
+    is_operator = bool(operator_username) and username == operator_username
+    if operation == "UPDATE" and not is_operator:
+        changed = [f for f in OPERATOR_FIELDS if old.get(f) != new.get(f)]
+        target = [f for f in changed if f in TARGET_FIELDS]
+        if target:
+            return _refuse("TargetImmutable", f"spec.{', spec.'.join(target)}: the target of a NodeReplacement is "
+                           "fixed when the sdcguard operator creates it; nobody may change it", 422)
+        if changed:
+            return _refuse("OperatorField", "spec.incidents is written by the sdcguard operator only")
+    before, after = old.get("decision") or "", new.get("decision") or ""
+    if before:
+        if after != before:
+            return _refuse("DecisionFinal", f"spec.decision is final: {before} cannot become {after or 'empty'}", 422)
+        frozen = [f for f in DECIDER_FIELDS + ("decisionReason",) if old.get(f) != new.get(f)]
+        if frozen:
+            return _refuse("DecisionFinal", f"spec.{', spec.'.join(frozen)}: the record of a decision is final", 422)
+        return Verdict(True)
+    if after:
+        return Verdict(True, deciding=after)
+    forged = [f for f in DECIDER_FIELDS if old.get(f) != new.get(f)]
+    if forged:
+        return _refuse("DeciderForged", f"spec.{', spec.'.join(forged)}: who decided is recorded from the "
+                       "authenticated user when spec.decision is set, never written by a client", 422)
+    return Verdict(True)
+
+
+def access_review(userinfo: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """The SubjectAccessReview that asks whether this user may decide NodeReplacement ``name``."""
+    spec: dict[str, Any] = {"user": userinfo.get("username", ""), "groups": list(userinfo.get("groups") or []),
+                            "resourceAttributes": {"group": names.GROUP, "resource": names.REPLACEMENTS,
+                                                   "verb": APPROVE_VERB, "name": name}}
+    if userinfo.get("uid"):
+        spec["uid"] = userinfo["uid"]
+    if userinfo.get("extra"):
+        spec["extra"] = {k: list(v) for k, v in userinfo["extra"].items()}
+    return {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview", "spec": spec}
+
+
+def may_approve(userinfo: Mapping[str, Any], name: str) -> tuple[bool, str]:
+    """(allowed, why) from the API server; any failure to ask is a refusal (fail closed)."""
+    import kubernetes
+
+    api = kubernetes.client.AuthorizationV1Api(kube.api_client())
+    try:
+        answer = api.create_subject_access_review(access_review(userinfo, name), _request_timeout=SAR_TIMEOUT)
+    except Exception as exc:  # noqa: BLE001 — cannot ask: cannot allow
+        return False, f"the SubjectAccessReview failed ({type(exc).__name__}: {str(exc)[:200]})"
+    status = answer.status
+    if status is not None and status.allowed:
+        return True, status.reason or ""
+    return False, (status.reason or status.evaluation_error or "") if status is not None else "no answer"
+
+
+async def admit(body: kopf.Body, old: kopf.Body | None, new: kopf.Body | None, operation: str | None,
+                userinfo: Mapping[str, Any], patch: kopf.Patch, **_: Any) -> None:
+    """The kopf handler: refuse with a message, or allow (recording the decider when deciding)."""
+    name = body.metadata.name or ""
+    username = str(userinfo.get("username") or "")
+    verdict = judge(operation or "", (old or {}).get("spec"), (new or body).get("spec"), username,
+                    Settings.from_env().operator_username)
+    if verdict.allowed and verdict.deciding:
+        allowed, why = await asyncio.to_thread(may_approve, userinfo, name)
+        if not allowed:
+            verdict = _refuse("NotApprover", f"{username or 'this user'} may not decide NodeReplacement {name}: "
+                              f"that needs the RBAC verb {APPROVE_VERB} on {names.REPLACEMENTS}.{names.GROUP} "
+                              f"(ClusterRole sdcguard-approver); patch rights do not suffice"
+                              + (f" ({why})" if why else ""))
+    if not verdict.allowed:
+        metrics.ADMISSION.labels(verdict.reason).inc()
+        log.warning(f"NodeReplacement {name}: {operation} by {username} refused: {verdict.message}")
+        raise kopf.AdmissionError(verdict.message, code=verdict.code)
+    if verdict.deciding:
+        patch.spec["decidedBy"] = username
+        patch.spec["decidedByGroups"] = [str(g) for g in userinfo.get("groups") or []]
+        metrics.ADMISSION.labels("Decided").inc()
+        log.info(f"NodeReplacement {name}: {verdict.deciding} by {username}")
+    else:
+        metrics.ADMISSION.labels("Allowed").inc()
+
+
+def register(registry: kopf.OperatorRegistry) -> None:
+    """Register the handler; on import with kopf's default registry, in tests with a fresh one."""
+    kopf.on.mutate(names.GROUP, names.VERSION, names.REPLACEMENTS, registry=registry, id=HANDLER_ID,
+                   operations=["CREATE", "UPDATE"], side_effects=False)(admit)
+
+
+register(kopf.get_default_registry())
