@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import recovery
 from .checks.audit import Replayer
-from .checks.commhook import GradientRecorder, ReduceHook, record_then_reduce, squared_norm
+from .checks.commhook import GradientRecorder, ReduceHook, record_then_reduce
 from .checks.determinism import check_replayable
 from .checks.exchange import DIGEST_BYTES, Incoming, agree, gather_digests, gather_objects, serialize
 from .checks.nonfinite import gather_norms, judge_nonfinite, nonfinite_local_ranks, sum_votes
@@ -487,6 +487,9 @@ class Guard:
         log.info("sdcguard: %d ranks, %d per node, audit every %s, weight check every %s, spool %s",
                  topo.world_size, topo.ranks_per_node, cfg.audit_every or "never",
                  cfg.weight_check_every or "never", cfg.spool or "(none)")
+        if self.recorder is not None and not self.solo and not self.recorder.checks_reduction:
+            log.warning("sdcguard: the reduce hook does not declare averages_like_ddp (a compression hook?): "
+                        "check 4 (reduce-checksum) is off, a finite fault inside the all-reduce goes unseen")
         if cfg.checkpoint_every and not self.solo and not cfg.audit_checkpoints and (
                 not cfg.audit_every or cfg.checkpoint_every % cfg.audit_every):
             log.warning("sdcguard: checkpoints every %d steps are not all audit steps (audit every %s): an "

@@ -6,7 +6,7 @@ Six scenarios share one launch, each writing what it saw to OUT/<scenario>-rank<
   scaler     GradScaler: an overflow that reproduces (no alarm, step skipped), then an injected
              grad-inf (alarm naming the rank), then a refused checkpoint;
   threads    unequal thread counts with audits on: a clear ConfigurationError at start-up;
-  huge       finite float64 gradients whose absolute sums overflow when check 1 sums them over
+  huge       finite float64 gradients whose squared norms overflow when check 1 sums them over
              ranks: the per-rank values must be gathered and clear them (no alarm, step applied);
   replay_fails  rank 1's loss_fn raises while it replays rank 2's batch: every rank raises the
              same ReplayError (none hangs in the audit's agreement), and the step is not applied;
@@ -188,8 +188,8 @@ def huge(rank, out):
     ddp = DistributedDataParallel(model)
     guard = sdcguard.Guard(ddp, torch.optim.SGD(model.parameters(), lr=1e-160), lambda m, c: m(c),
                            config=Config(audit_every=0, weight_check_every=0))
-    # Each rank's absolute sum is 4 * 2.5e307 = 1e308 (finite); check 1's summed vote overflows to Inf.
-    c = torch.full((4,), 2.5e307, dtype=torch.float64)
+    # Each rank's squared norm is 4 * (6e153)**2 = 1.44e308 (finite); three of them sum to Inf.
+    c = torch.full((4,), 6e153, dtype=torch.float64)
     TRAFFIC.clear()
     try:
         guard.train_step(0, c)

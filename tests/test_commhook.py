@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from sdcguard.checks.commhook import squared_norm
+from sdcguard.checks.norms import squared_norm
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16,

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from sdcguard.checks.reduce_checksum import ROWS, ChecksumWeights, Shape, judge_checksum, rounding_bound
+from sdcguard.checks.reduce_checksum import ChecksumWeights, Shape, coefficients, judge_checksum, rounding_bound
+from sdcguard.checks.reduce_checksum import vote as rank_vote
 
 
 def honest_mean(grads, dtype, order):
@@ -23,12 +24,12 @@ def honest_mean(grads, dtype, order):
 
 def vote(grads, reduced, weights):
     world = len(grads)
-    local = torch.stack([weights.terms(0, g) for g in grads])
-    red = weights.terms(0, reduced)
-    x = sum(((local[r, 0] - red[0]) / world).item() for r in range(world))
-    y = sum(((local[r, 1] + red[1]) / world).item() for r in range(world))
     n = reduced.numel()
-    return x, y, Shape(world=world, buckets=1, elements=n, longest_fold=n // ROWS + n % ROWS, dtypes=(reduced.dtype,))
+    red = weights.terms(0, reduced)
+    votes = [rank_vote([weights.terms(0, g)], [red], [(n, reduced.dtype)], world) for g in grads]
+    x = sum(v[0].item() for v in votes)  # what check 1's all-reduce sums
+    y = sum(v[1].item() for v in votes)
+    return x, y, Shape(world=world, buckets=1, elements=n, dtypes=(reduced.dtype,))
 
 
 def adversarial(kind, world, n, dtype, gen):
@@ -114,7 +115,10 @@ def test_weights_move_with_the_step_and_agree_across_ranks():
 
 
 def test_the_bound_grows_with_the_world_and_the_element_type():
-    shape = lambda w, d: Shape(world=w, buckets=1, elements=10, longest_fold=10, dtypes=(d,))
-    assert rounding_bound(1.0, shape(64, torch.float32)) > rounding_bound(1.0, shape(2, torch.float32))
-    assert rounding_bound(1.0, shape(2, torch.bfloat16)) > rounding_bound(1.0, shape(2, torch.float32))
-    assert math.isfinite(rounding_bound(1e300, shape(3, torch.float64)))
+    local = lambda w, d: coefficients(10_000, d, w, 1)[0]
+    assert local(64, torch.float32) > local(2, torch.float32)
+    assert local(2, torch.bfloat16) > local(2, torch.float16) > local(2, torch.float32)
+    # only the local operands carry the reduction's rounding: the reduced side's weight is the
+    # checksum's own rounding, whatever the element type (a corrupted element barely moves it)
+    assert coefficients(10_000, torch.bfloat16, 8, 1)[1] == coefficients(10_000, torch.float32, 8, 1)[1]
+    assert coefficients(10_000, torch.float32, 8, 1)[1] < 1e-5

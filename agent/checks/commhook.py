@@ -2,12 +2,12 @@
 
 Once the all-reduce has run, every replica holds the same average and a bad rank can no longer be
 told apart, so what checks 1a, 2 and 4 need is recorded here, per bucket, on the way in:
-  - the local gradient's weighted checksum and absolute sum (``reduce_checksum``): check 4
-    compares their mean over ranks with the same checksum of the reduced gradient, and the sums
-    are finite exactly when the gradient is (check 1a);
+  - the local gradient's weighted checksum and squared norm (``reduce_checksum``): check 4
+    compares the checksums' mean over ranks with the same checksum of the reduced gradient (the
+    norms bound the rounding), and the norm is finite exactly when the gradient is (check 1a);
   - on audit steps, each parameter's local-gradient fingerprint (check 2 compares them with a
     replay on another node);
-and on the way out, the reduced gradient's checksum and absolute sum (checks 4 and 1b).
+and on the way out, the reduced gradient's checksum and squared norm (checks 4 and 1b).
 
 The reduction itself is delegated to an inner hook (plain all-reduce by default), so sdcguard
 composes with compression hooks and the drill can put a fault inside the all-reduce.
@@ -19,7 +19,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from ..fingerprint import Fingerprint, fingerprint_sums, to_fingerprints
-from .reduce_checksum import ROWS, ChecksumWeights, Shape
+from .norms import squared_norm
+from .reduce_checksum import ChecksumWeights, Shape, vote
 
 __all__ = ["GradientRecorder", "record_then_reduce", "allreduce_mean", "squared_norm"]
 
@@ -54,11 +55,11 @@ class GradientRecorder:
         # dict item assignment needs no lock where a running sum would.
         self.audit = False
         self.local: dict[int, torch.Tensor] = {}
-        """bucket -> ``[checksum, absolute sum]`` of this rank's local gradient."""
+        """bucket -> ``[checksum, squared norm]`` of this rank's local gradient."""
         self.reduced: dict[int, torch.Tensor] = {}
         """bucket -> the same of the reduced gradient."""
-        self.shapes: dict[int, tuple[int, int, torch.dtype]] = {}
-        """bucket -> (elements, weight-table length, dtype), for check 4's bound."""
+        self.shapes: dict[int, tuple[int, torch.dtype]] = {}
+        """bucket -> (elements, dtype), for check 4's bound."""
         # Per bucket: (parameter indices, their fingerprint sums still on the device) — turned
         # into numbers after the backward pass, so the hook never waits for the device.
         self.pending: dict[int, tuple[list[int], torch.Tensor]] = {}
@@ -76,30 +77,29 @@ class GradientRecorder:
         """This rank's ``[x, y]`` for check 1's all-reduce (see ``reduce_checksum``): summed over
         ranks, X is check 4's checksum difference and Y its operands' size, finite exactly when
         every local and reduced gradient is."""
-        local, reduced = self._totals(device)
         if not self.local:
             return torch.zeros(2, dtype=torch.float64, device=device)
-        return torch.stack([(local[0] - reduced[0]) / self.world, (local[1] + reduced[1]) / self.world])
+        buckets = self._buckets()
+        sizes = [self.shapes[b] for b in buckets]
+        return vote([self.local[b] for b in buckets], [self.reduced[b] for b in buckets], sizes, self.world).to(device)
 
     def rows(self, device: torch.device) -> torch.Tensor:
-        """``[local, reduced]`` absolute sums of this rank's gradient: the per-rank values check 1
+        """``[local, reduced]`` squared norms of this rank's gradient: the per-rank values check 1
         gathers when something is not finite."""
-        local, reduced = self._totals(device)
-        return torch.stack([local[1], reduced[1]])
-
-    def _totals(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.local:
-            zero = torch.zeros(2, dtype=torch.float64, device=device)
-            return zero, zero
-        if len(self.local) != len(self.reduced):
+            return torch.zeros(2, dtype=torch.float64, device=device)
+        buckets = self._buckets()
+        both = torch.stack([torch.stack([self.local[b][1], self.reduced[b][1]]) for b in buckets])
+        return both.sum(dim=0).to(device)
+
+    def _buckets(self) -> list[int]:
+        if self.local.keys() != self.reduced.keys():
             raise RuntimeError("sdcguard: a bucket's all-reduce has not completed")
-        both = torch.stack([*self.local.values(), *self.reduced.values()]).to(device)
-        return both[: len(self.local)].sum(dim=0), both[len(self.local):].sum(dim=0)
+        return sorted(self.local)
 
     def shape(self) -> Shape:
-        return Shape(world=self.world, buckets=len(self.shapes), elements=sum(n for n, _, _ in self.shapes.values()),
-                     longest_fold=max((f for _, f, _ in self.shapes.values()), default=0),
-                     dtypes=tuple(sorted({d for _, _, d in self.shapes.values()}, key=str)))
+        return Shape(world=self.world, buckets=len(self.shapes), elements=sum(n for n, _ in self.shapes.values()),
+                     dtypes=tuple(sorted({d for _, d in self.shapes.values()}, key=str)))
 
     def record_fingerprints(self, bucket: dist.GradBucket) -> None:
         indices = [self.param_index[id(param)] for param in bucket.parameters()]
@@ -121,8 +121,7 @@ def record_then_reduce(
     index = bucket.index()
     buffer = bucket.buffer()
     state.local[index] = state.weights.terms(index, buffer)
-    n = buffer.numel()
-    state.shapes[index] = (n, n // ROWS + n % ROWS, buffer.dtype)
+    state.shapes[index] = (buffer.numel(), buffer.dtype)
     if state.audit:
         state.record_fingerprints(bucket)
 
@@ -160,19 +159,3 @@ def _launch_mean(process_group: dist.ProcessGroup | None, buffer: torch.Tensor) 
     group = process_group if process_group is not None else dist.group.WORLD
     buffer.mul_(1.0 / group.size())
     return group.allreduce([buffer]).get_future()
-
-
-def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
-    """Squared L2 norm as a float64 scalar, without a device sync.
-
-    Accumulated in the gradient's own precision, at least float32 (a dot product for float32 and
-    float64: half the cost of ``vector_norm``, several times less than float64 on CPU). The
-    one cost: a finite gradient whose norm exceeds float32's range (~1.8e19) reads as Inf — with a
-    GradScaler such a step is confirmed by a replay like any overflow."""
-    if tensor.dtype in (torch.float32, torch.float64):
-        flat = tensor.reshape(-1)
-        return torch.dot(flat, flat).double()
-    wide = torch.float32 if tensor.element_size() < 4 else None  # complex keeps its own (|z|)
-    return torch.linalg.vector_norm(tensor, 2, dtype=wide).double().square()
-
-

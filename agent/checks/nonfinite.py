@@ -3,7 +3,8 @@
 An ordinary step costs one all-reduce (sum) of two float64 scalars — check 4's ``[x, y]`` vote
 (``reduce_checksum``), whose sum Y is finite exactly when every rank's local and reduced gradient
 is — whatever the model size and the world size. Only when it is not are the per-rank
-``[local, reduced]`` absolute sums all-gathered, to name the ranks. Every rank sees the same sums
+``[local, reduced]`` squared norms all-gathered, to name the ranks (or to find that only the
+float64 sums overflowed: no alarm). Every rank sees the same sums
 and the same rows, so every rank reaches the same verdict.
 """
 from __future__ import annotations
@@ -47,14 +48,14 @@ def judge_nonfinite(norms: list[list[float]]) -> Verdict | None:
         return Verdict(
             CHECK_NONFINITE_LOCAL,
             suspects=local_bad,
-            evidence={"local_grad_abs_sums": {r: norms[r][0] for r in local_bad}},
+            evidence={"local_grad_sq_norms": {r: norms[r][0] for r in local_bad}},
         )
     reduced_bad = [r for r, row in enumerate(norms) if not math.isfinite(row[1])]
     if reduced_bad:
         return Verdict(
             CHECK_NONFINITE_REDUCED,
             evidence={
-                "reduced_grad_abs_sum": norms[reduced_bad[0]][1],
+                "reduced_grad_sq_norm": norms[reduced_bad[0]][1],
                 "ranks_seeing_it": reduced_bad,
             },
         )

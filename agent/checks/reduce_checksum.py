@@ -13,10 +13,13 @@ an offset drawn per step from (seed, step): an error pattern cannot line up with
 long, and two swapped elements change the checksum. To keep the CPU cost at a few passes over the
 gradient, the bucket is folded into ``ROWS`` rows first: ``P_j = sum_k g[k*L + j]`` (exact-ish, in
 float32 or float64), and ``c = sum_j T_j P_j`` in float64; the elements of one column share a weight.
+The operands' size ``A = sum_i |g_i|`` is bounded by Cauchy–Schwarz from check 1's squared norm
+(``norms.abs_sum_bound``: rigorous, and within ~1.25x of the exact sum for dense gradients), so
+check 4 adds one pass (the fold) to what check 1 already reads.
 
 **The bound.** ``u_a`` is the unit roundoff of the folding precision (float32, or float64 for
 float64 buckets), ``u_e`` that of the bucket's element type (the reduction adds in it), ``u`` that
-of float64, ``gamma(n, u) = n u / (1 - n u)``, ``A_r = sum_i |g_r,i|``, ``A_G = sum_i |G_i|``:
+of float64, ``gamma(n, u) = n u / (1 - n u)``, ``A_r >= sum_i |g_r,i|``, ``A_G >= sum_i |G_i|``:
   - folding and the float64 dot: ``|c_r - sum_i w_i g_r,i| <= 2 eps_c A_r`` with
     ``eps_c = gamma(ROWS - 1, u_a) + gamma(L, u) (1 + gamma(ROWS - 1, u_a))`` (|w| < 2); same for C;
   - DDP's mean scales each element by fl(1/W) (two roundings: ``2 u_e + u_e^2``) and sums W terms
@@ -27,8 +30,9 @@ of float64, ``gamma(n, u) = n u / (1 - n u)``, ``A_r = sum_i |g_r,i|``, ``A_G = 
     sum_r A_r`` from the computed sums (``kappa`` bounds their own rounding), plus the float64
     rounding of assembling X and Y (``gamma(B + W + 4, u)``, B buckets).
 Everything the bound needs travels with check 1's existing all-reduce: each rank contributes
-``x_r = sum_b (c_rb - C_b) / W`` and ``y_r = sum_b (A_rb + A_Gb) / W``; the sums X and Y are the
-same on every rank, so every rank reaches the same verdict. ``Y`` is finite exactly when every
+``x_r = sum_b (c_rb - C_b) / W`` and ``y_r = sum_b (k_local A_rb + k_reduced A_Gb) / W`` (the
+coefficients above, per bucket); the sums X and Y are the same on every rank, so every rank
+reaches the same verdict. ``Y`` is finite exactly when every
 local and reduced gradient is (check 1's question), so check 1 needs nothing else.
 
 What it checks: the default DDP mean, or a reduce hook that declares it averages like DDP
@@ -44,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from ..contract.alarm import CHECK_REDUCE_CHECKSUM
+from .norms import abs_sum_bound, squared_norm
 from .verdict import Verdict
 
 ROWS = 16
@@ -84,7 +89,7 @@ class ChecksumWeights:
         return found
 
     def terms(self, index: int, flat: torch.Tensor) -> torch.Tensor:
-        """``[c, A]`` (float64, on the tensor's device, no sync) of one flat bucket."""
+        """``[c, squared norm]`` (float64, on the tensor's device, no sync) of one flat bucket."""
         acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
         n = flat.numel()
         main = (n // ROWS) * ROWS
@@ -92,14 +97,11 @@ class ChecksumWeights:
         tail = flat[main:].to(torch.float64)
         weights = self.table(index, cols + tail.numel(), flat.device)
         c = torch.dot(weights[cols:], tail) if tail.numel() else tail.new_zeros(())
-        a = tail.abs().sum()
         if cols:
-            folded = flat[:main].view(ROWS, cols)
-            p = folded.sum(0, dtype=acc).to(torch.float64)
+            p = flat[:main].view(ROWS, cols).sum(0, dtype=acc).to(torch.float64)
             o = self.offset_seed % cols
             c = c + torch.dot(weights[o:cols], p[:cols - o]) + torch.dot(weights[:o], p[cols - o:])
-            a = a + folded.abs().sum(0, dtype=acc).to(torch.float64).sum()
-        return torch.stack([c, a])
+        return torch.stack([c, squared_norm(flat)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,27 +111,48 @@ class Shape:
     world: int
     buckets: int
     elements: int
-    longest_fold: int
-    """The longest weight table (columns plus tail) of any bucket."""
     dtypes: tuple[torch.dtype, ...]
 
 
-def rounding_bound(y: float, shape: Shape) -> float:
-    """The largest ``|X|`` honest rounding can produce, for the computed ``Y`` (see module doc)."""
+def coefficients(n: int, dtype: torch.dtype, world: int, buckets: int) -> tuple[float, float]:
+    """``(k_local, k_reduced)``: the bound's weights of a bucket's local and reduced operand sizes
+    (see the module docstring). Only the local sizes carry the reduction's rounding, so a corrupted
+    reduced element cannot inflate the bound by much more than it moves the checksum."""
     u64 = _UNIT_ROUNDOFF[torch.float64]
-    bound = 0.0
-    for dtype in shape.dtypes:  # the worst bucket type bounds all (Y mixes buckets)
-        u_e = _UNIT_ROUNDOFF.get(dtype, u64)
-        u_a = u64 if dtype == torch.float64 else _UNIT_ROUNDOFF[torch.float32]
-        g_fold = _gamma(ROWS - 1, u_a)
-        eps_c = g_fold + _gamma(shape.longest_fold, u64) * (1 + g_fold)
-        kappa = 1 / ((1 - g_fold) * (1 - _gamma(shape.longest_fold + 1, u64)))
-        eps_red = _gamma(max(shape.world - 1, 0), u_e) * (1 + u_e) ** 2 + 2 * u_e + u_e ** 2
-        delta = _gamma(shape.buckets + shape.world + 4, u64)
-        relative = 2 * kappa * (1 + delta) * (eps_c + eps_red + (1 + eps_c) * delta)
-        absolute = 4 * shape.world * _UNDERFLOW.get(dtype, _UNDERFLOW[torch.float32]) * shape.elements
-        bound = max(bound, relative * y + absolute)
-    return bound
+    u_e = _UNIT_ROUNDOFF.get(dtype, u64)
+    u_a = u64 if dtype == torch.float64 else _UNIT_ROUNDOFF[torch.float32]
+    fold = n // ROWS + n % ROWS
+    g_fold = _gamma(ROWS - 1, u_a)
+    eps_c = g_fold + _gamma(fold, u64) * (1 + g_fold)
+    kappa = 1 / ((1 - g_fold) * (1 - _gamma(fold + 1, u64)))
+    eps_red = _gamma(max(world - 1, 0), u_e) * (1 + u_e) ** 2 + 2 * u_e + u_e ** 2
+    delta = _gamma(buckets + world + 4, u64)
+    common = 2 * kappa * (1 + delta) * (eps_c + (1 + eps_c) * delta)
+    return common + 2 * kappa * (1 + delta) * eps_red, common
+
+
+def vote(local: list[torch.Tensor], reduced: list[torch.Tensor], sizes: list[tuple[int, torch.dtype]],
+         world: int) -> torch.Tensor:
+    """This rank's ``[x, y]`` from each bucket's ``[c, squared norm]``, local and reduced: summed
+    over ranks, X is the checksum difference and Y the bound on honest rounding (less its tiny
+    absolute underflow term), the same on every rank."""
+    loc, red = torch.stack(local), torch.stack(reduced)
+    factors = []
+    for n, dtype in sizes:
+        k_local, k_reduced = coefficients(n, dtype, world, len(sizes))
+        unit = abs_sum_bound(n, 1.0, dtype)  # abs_sum_bound(n, s) = sqrt(s) * abs_sum_bound(n, 1)
+        factors.append([k_local * unit, k_reduced * unit])
+    f = torch.tensor(factors, dtype=torch.float64, device=loc.device)
+    x = (loc[:, 0].sum() - red[:, 0].sum()) / world
+    y = (loc[:, 1].sqrt() * f[:, 0] + red[:, 1].sqrt() * f[:, 1]).sum() / world
+    return torch.stack([x, y])
+
+
+def rounding_bound(y: float, shape: Shape) -> float:
+    """The largest ``|X|`` honest rounding can produce, for the summed ``Y``: Y itself (each
+    rank's share already carries its coefficients) plus the underflow term."""
+    underflow = max((_UNDERFLOW.get(d, _UNDERFLOW[torch.float32]) for d in shape.dtypes), default=0.0)
+    return y * (1 + _gamma(shape.world + 2, _UNIT_ROUNDOFF[torch.float64])) + 4 * shape.world * underflow * shape.elements
 
 
 def judge_checksum(x: float, y: float, shape: Shape) -> Verdict | None:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .commhook import squared_norm
+from .norms import squared_norm
 from ..fingerprint import Fingerprint, fingerprint, fingerprint_many
 from .rng import forward_seed, seeded
 
