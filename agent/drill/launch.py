@@ -3,8 +3,8 @@
 It is the first-run demo and the user's fault-injection release test. The parent process checks
 every argument before any process starts, launches one worker per rank (simulated node ``k`` is
 ``drill-node-<k>``), streams their timeline, then judges the alarms and writes the JSON report.
-Exit status: 0 drill passed, 1 a fault was missed or misattributed or an alarm is unexplained,
-2 bad input, 3 the run itself failed.
+Exit status: 0 drill passed, 1 a fault was missed or misattributed, a resume was unsafe or an
+alarm is unexplained, 2 bad input, 3 the run itself failed.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any
 
 from ..contract import alarm as _alarm
 from ..contract import spool
-from .report import Schedule, judge, passed
+from .report import build_report, print_summary
 from ..faults.spec import FaultSpec, FaultSpecError, parse_fault
 
 
@@ -36,9 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-check-every", type=int, default=2, help="check 3 interval, 0 = audit steps only (default 2)")
     parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step (default 1)")
     parser.add_argument("--inject", action="append", default=[], metavar="KIND:rank=R:step=S[:magnitude=X][:every=K]",
-                        help="a fault to inject (repeatable)")
+                        help="a fault to inject (repeatable); also :during=replay, :element=N, "
+                             ":site=PATH (forward-*) or :param=NAME (the rest)")
     parser.add_argument("--on-alarm", choices=("stop", "resume"), default="stop",
-                        help="stop at the first alarm, or replace the suspects and resume from the last verified step")
+                        help="stop at the first alarm, or replace the suspects and resume from the newest "
+                             "verified state before the alarm's suspect window")
     parser.add_argument("--checkpoint-every", type=int, default=0,
                         help="save a verified checkpoint every K steps; resume restarts from the alarm's last good checkpoint")
     parser.add_argument("--report", type=Path, help="write the JSON report here")
@@ -60,6 +62,7 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     nodes, world = _layout(args.nodes, args.world_size, args.ranks_per_node)
     try:
         faults = [parse_fault(text, world) for text in args.inject]
+        _check_targets(faults)
     except FaultSpecError as exc:
         raise DrillInputError(str(exc)) from None
     return {
@@ -71,6 +74,18 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "backend": _backend(args.backend, world), "timeout_s": args.timeout,
         "print_every": max(1, args.steps // 10),
     }
+
+
+def _check_targets(faults: list[FaultSpec]) -> None:
+    """Faults that name their own target are checked against the drill model (needs torch)."""
+    if any(f.site is not None or f.param is not None or f.element is not None for f in faults):
+        import torch
+        from ..faults.injector import FaultInjector
+        from .model import PARAM, SITE, DrillModel
+        model = DrillModel()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        for fault in faults:
+            FaultInjector([fault], fault.rank or 0).install(model, optimizer, site=SITE, param=PARAM)
 
 
 def _layout(nodes: int | None, world: int | None, per_node: int) -> tuple[int, int]:
@@ -97,40 +112,11 @@ def run(cfg: dict[str, Any], report_path: Path | None, spool_dir: Path | None) -
             return 3
         alarms = [_alarm.loads(p.read_text()) for p in spool.list_alarms(cfg["spool"])]
     report = build_report(cfg, results, alarms)
-    _print_summary(report)
+    print_summary(report)
     if report_path:
         report_path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
         print(f"[drill] report written to {report_path}")
     return 0 if report["passed"] else 1
-
-
-def build_report(cfg: dict[str, Any], results: list[dict[str, Any]], alarms: list[dict[str, Any]]) -> dict[str, Any]:
-    faults = [FaultSpec(**f) for f in cfg["faults"]]
-    stopped_at = results[0]["stopped_at_step"]
-    plan = Schedule(cfg["steps"], cfg["audit_every"], cfg["weight_check_every"], cfg["nodes"])
-    rows, unexplained = judge(faults, alarms, plan, stopped_at)
-    public_cfg = {k: v for k, v in cfg.items() if k not in ("workdir", "print_every")}
-    return {
-        "config": public_cfg,
-        "injected": rows,
-        "fired": _merge_fired(results),
-        "alarms": alarms,
-        "unexplained_alarms": [a["id"] for a in unexplained],
-        "resumed_from": results[0]["resumed_from"],
-        "steps_completed": results[0]["steps_completed"],
-        "stopped_at_step": stopped_at,
-        "final_weight_digests": {r["rank"]: r["final_weights"] for r in results},
-        "passed": passed(rows, unexplained),
-    }
-
-
-def _merge_fired(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per (kind, step) with the ranks it struck (an all-reduce fault strikes all)."""
-    merged: dict[tuple[str, int], list[int]] = {}
-    for result in results:
-        for event in result["fired"]:
-            merged.setdefault((event["kind"], event["step"]), []).append(event["rank"])
-    return [{"kind": k, "step": s, "ranks": sorted(r)} for (k, s), r in sorted(merged.items(), key=lambda i: i[0][1])]
 
 
 def _launch(cfg: dict[str, Any]) -> list[int]:
@@ -178,24 +164,3 @@ def _print_header(cfg: dict[str, Any]) -> None:
           f"{cfg['steps']} steps, audit every {cfg['audit_every'] or 'never'}, "
           f"weight check every {cfg['weight_check_every'] or 'audit step'}", flush=True)
     print(f"[drill] injecting: {faults}", flush=True)
-
-
-def _print_summary(report: dict[str, Any]) -> None:
-    print("[drill] ---- summary ----")
-    for e in report["fired"]:
-        ranks = "every rank" if len(e["ranks"]) == report["config"]["world_size"] else \
-            "rank " + ", ".join(map(str, e["ranks"]))
-        print(f"[drill] fired    {e['kind']} on {ranks} at step {e['step']}")
-    for a in report["alarms"]:
-        who = ", ".join(f"rank {s['rank']} on {s['node'] or '?'}" for s in a["suspects"]) or "no rank"
-        amb = " (ambiguous)" if a["ambiguous"] else ""
-        print(f"[drill] alarm    check {a['check']} at step {a['step']}: {who}{amb}")
-    for row in report["injected"]:
-        fault = FaultSpec(**{k: row[k] for k in ("kind", "rank", "step", "magnitude", "every", "during")})
-        print(f"[drill] verdict  {fault}: {row['outcome'].upper()} ({row['why']})")
-    for alarm_id in report["unexplained_alarms"]:
-        print(f"[drill] verdict  UNEXPLAINED alarm {alarm_id} (a false alarm, or a misjudged fault)")
-    stop = report["stopped_at_step"]
-    print(f"[drill] {report['steps_completed']} steps completed"
-          + (f", stopped at step {stop}" if stop is not None else ", run finished"))
-    print(f"[drill] drill {'PASSED' if report['passed'] else 'FAILED'}")

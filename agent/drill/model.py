@@ -8,6 +8,9 @@ from torch import nn
 from ..checks.rng import forward_seed
 
 FEATURES, WIDTH, CLASSES = 16, 32, 4
+SITE, PARAM = "embed", "hidden.weight"
+"""Where the drill's faults strike unless a fault names its own target: forward faults in the first
+layer's output, every other kind in the hidden layer's weight (element 0)."""
 
 
 class DrillModel(nn.Module):
@@ -24,16 +27,6 @@ class DrillModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.drop(F.gelu(self.norm(self.embed(x))))
         return self.head(F.gelu(self.hidden(h)))
-
-    @property
-    def activation_site(self) -> nn.Module:
-        """Where forward faults strike: the first layer's output."""
-        return self.embed
-
-    @property
-    def fault_parameter(self) -> nn.Parameter:
-        """Where gradient, optimizer and weight faults strike."""
-        return self.hidden.weight
 
 
 def make_batch(seed: int, step: int, rank: int, micro: int, size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

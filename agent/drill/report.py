@@ -1,104 +1,95 @@
-"""Judging a drill: which check should have caught each injected fault, and did it?
+"""The drill's report: every rank's result and the alarms, judged (see ``sdcguard.faults.judge``).
 
-For every fault the drill works out, from the schedule alone, the check that must catch it and the
-step it must fire on, then matches the alarms against that. A fault on a step where its check does
-not run is an *escape* (reported, not an error); a fault its check should have caught but did not,
-an alarm naming the wrong rank, or an alarm no fault explains makes the drill fail.
+Besides which check caught each fault, a drill that resumes after its alarms is judged on its
+recovery: each alarm records the step the run resumed from, a resume from a state inside the
+fault's suspect window is ``resume-unsafe``, and the final weights (one digest when every replica
+agrees) can be compared bit for bit with the same drill run without faults.
 Standard library only.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from ..contract.alarm import CHECK_REPLAY, CHECK_WEIGHTS
+from ..faults.judge import PASSING, Judgement, Schedule, expectation, judge_faults, suspect_window
 from ..faults.spec import FaultSpec
 
-# Outcomes. The first three are what a healthy sdcguard produces; the rest fail the drill.
-CAUGHT, AMBIGUOUS, ESCAPED, NOT_REACHED = "caught", "caught-ambiguous", "escaped", "not-reached"
-MISSED, MISATTRIBUTED = "missed", "misattributed"
-PASSING = {CAUGHT, AMBIGUOUS, ESCAPED, NOT_REACHED}
+__all__ = ["build_report", "print_summary", "Schedule", "expectation", "judge_faults", "PASSING"]
 
 
-@dataclass(frozen=True, slots=True)
-class Schedule:
-    steps: int
-    audit_every: int
-    weight_check_every: int
-    nodes: int
-
-    def audits(self, step: int) -> bool:
-        return self.audit_every > 0 and step % self.audit_every == 0
-
-    def weight_checks(self, step: int) -> bool:
-        return self.weight_check_every > 0 and step % self.weight_check_every == 0
-
-
-def expectation(fault: FaultSpec, plan: Schedule) -> tuple[str | None, int | None, str]:
-    """(check, step, why): what must catch ``fault`` and when; check None means it escapes."""
-    check = fault.info.caught_by
-    if check is None:
-        return None, None, "corruption inside the all-reduce reaches every replica alike: the known blind spot"
-    firings = [s for s in range(fault.step, plan.steps) if fault.fires_at(s)]
-    if not firings:
-        return None, None, "the run ends before the fault's step"
-    if check == CHECK_REPLAY:
-        audited = [s for s in firings if plan.audits(s)]
-        if not audited:
-            if fault.during == "replay":
-                return None, None, "a replay-side fault needs an audit step: nothing is replayed elsewhere"
-            return None, None, "no audit step among the fault's steps: check 2 does not run there"
-        return check, audited[0], "ring replay on an audit step"
-    if check == CHECK_WEIGHTS:
-        seen = _first_weight_check(fault, plan)
-        if seen is None:
-            return None, None, "no weight check runs between the fault and the end of the run"
-        return check, seen, "weight fingerprints differ from the majority"
-    return check, firings[0], "non-finite values are checked on every step"
+def build_report(cfg: dict[str, Any], results: list[dict[str, Any]], alarms: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON report from the drill's config, each rank's result and the spooled alarms."""
+    faults = [FaultSpec(**f) for f in cfg["faults"]]
+    stopped_at = results[0]["stopped_at_step"]
+    plan = Schedule(cfg["steps"], cfg["audit_every"], cfg["weight_check_every"], cfg["nodes"], cfg["checkpoint_every"])
+    recoveries = _recoveries(results[0]["recoveries"], alarms)
+    verdict: Judgement = judge_faults(faults, alarms, plan, stopped_at=stopped_at,
+                                      resumed_at={r["alarm"]: r["resume_step"] for r in recoveries})
+    digests = {r["rank"]: r["final_weights"] for r in results}
+    public_cfg = {k: v for k, v in cfg.items() if k not in ("workdir", "print_every")}
+    return {
+        "config": public_cfg,
+        **verdict.as_dict(),
+        "fired": merge_fired(results),
+        "alarms": alarms,
+        "recoveries": recoveries,
+        "resumed_from": [r["resumed_from"] for r in recoveries],
+        "steps_completed": results[0]["steps_completed"],
+        "stopped_at_step": stopped_at,
+        "final_weight_digests": digests,
+        "final_weights_digest": next(iter(digests.values())) if len(set(digests.values())) == 1 else None,
+    }
 
 
-def judge(faults: list[FaultSpec], alarms: list[dict[str, Any]], plan: Schedule,
-          stopped_at: int | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Each fault with its expectation and outcome, and the alarms that no fault explains."""
-    unexplained = list(alarms)
-    rows = []
-    for fault in faults:
-        check, step, why = expectation(fault, plan)
-        row = {**fault.as_dict(), "expected_check": check, "expected_step": step, "why": why,
-               "alarm": None}
-        match = next((a for a in unexplained if a["check"] == check and a["step"] == step), None)
-        if check is None:
-            row["outcome"] = ESCAPED
-        elif match is None:
-            reached = stopped_at is None or step <= stopped_at
-            row["outcome"] = MISSED if reached else NOT_REACHED
-        else:
-            unexplained.remove(match)
-            row["alarm"] = match["id"]
-            row["outcome"] = _attribution(fault, match)
-        rows.append(row)
-    return rows, unexplained
+def merge_fired(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per (kind, step) with the ranks it struck (an all-reduce fault strikes all)."""
+    merged: dict[tuple[str, int], list[int]] = {}
+    for result in results:
+        for event in result["fired"]:
+            merged.setdefault((event["kind"], event["step"]), []).append(event["rank"])
+    return [{"kind": k, "step": s, "ranks": sorted(r)} for (k, s), r in sorted(merged.items(), key=lambda i: i[0][1])]
 
 
-def passed(rows: list[dict[str, Any]], unexplained: list[dict[str, Any]]) -> bool:
-    return not unexplained and all(r["outcome"] in PASSING for r in rows)
+def _recoveries(resumes: list[dict[str, Any]], alarms: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each resume (alarm id, resume step, checkpoint file) with what its alarm said."""
+    by_id = {a["id"]: a for a in alarms}
+    out = []
+    for resume in resumes:
+        alarm = by_id.get(resume["alarm"], {"step": resume["step"], "check": None})
+        first, last = suspect_window(alarm)
+        named = alarm.get("last_good_checkpoint")
+        out.append({
+            "alarm": resume["alarm"], "check": alarm["check"], "step": alarm["step"],
+            "suspect_window": {"first_step": first, "last_step": last},
+            "last_good_checkpoint": Path(named).name if named else None,
+            "resume_step": resume["resume_step"], "resumed_from": resume["resumed_from"],
+        })
+    return out
 
 
-def _attribution(fault: FaultSpec, alarm: dict[str, Any]) -> str:
-    named = alarm["suspect_ranks"]
-    if fault.info.corrupts == "reduce":
-        return CAUGHT if not named else MISATTRIBUTED
-    if alarm["ambiguous"]:
-        return AMBIGUOUS if fault.rank in named else MISATTRIBUTED
-    return CAUGHT if named == [fault.rank] else MISATTRIBUTED
-
-
-def _first_weight_check(fault: FaultSpec, plan: Schedule) -> int | None:
-    """First check 3 after the weights went bad: audit steps check before the update, weight-check
-    steps after it; an optimizer fault lands between the two, a stored-weight fault before both."""
-    after_update = fault.info.corrupts == "optimizer"
-    for step in range(fault.step, plan.steps):
-        pre = plan.audits(step) and not (after_update and step == fault.step)
-        if pre or plan.weight_checks(step):
-            return step
-    return None
+def print_summary(report: dict[str, Any]) -> None:
+    print("[drill] ---- summary ----")
+    for e in report["fired"]:
+        ranks = "every rank" if len(e["ranks"]) == report["config"]["world_size"] else \
+            "rank " + ", ".join(map(str, e["ranks"]))
+        print(f"[drill] fired    {e['kind']} on {ranks} at step {e['step']}")
+    for a in report["alarms"]:
+        who = ", ".join(f"rank {s['rank']} on {s['node'] or '?'}" for s in a["suspects"]) or "no rank"
+        amb = " (ambiguous)" if a["ambiguous"] else ""
+        print(f"[drill] alarm    check {a['check']} at step {a['step']}: {who}{amb}")
+    for r in report["recoveries"]:
+        w = r["suspect_window"]
+        source = r["resumed_from"] or ("the start" if r["resume_step"] < 0 else "a verified in-memory copy")
+        print(f"[drill] resume   after step {r['step']} alarm (suspect steps {w['first_step']}..{w['last_step']}): "
+              f"from step {r['resume_step']} ({source})")
+    for row in report["injected"]:
+        fault = FaultSpec(**{k: row[k] for k in FaultSpec.__slots__})
+        print(f"[drill] verdict  {fault}: {row['outcome'].upper()} ({row['why']})")
+    for alarm_id in report["unexplained_alarms"]:
+        print(f"[drill] verdict  UNEXPLAINED alarm {alarm_id} (a false alarm, or a misjudged fault)")
+    stop = report["stopped_at_step"]
+    digest = report["final_weights_digest"]
+    print(f"[drill] {report['steps_completed']} steps completed"
+          + (f", stopped at step {stop}" if stop is not None else ", run finished")
+          + (f"; final weights {digest[:16]}" if digest else "; replicas' final weights differ"))
+    print(f"[drill] drill {'PASSED' if report['passed'] else 'FAILED'}")

@@ -20,11 +20,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config import Config
-from .model import DrillModel, loss_fn, make_batch
+from .model import PARAM, SITE, DrillModel, loss_fn, make_batch
 from ..errors import SDCDetected
+from ..faults.judge import suspect_window
 from ..faults.spec import FaultSpec
 from ..fingerprint import digest, fingerprint
 from ..guard import Guard
+from ..recovery import History
 from ..faults.injector import FaultInjector
 
 
@@ -55,43 +57,66 @@ class Trainer:
     guard: Guard
 
 
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The state after ``step``'s update (-1: the start), kept in memory once check 3 passed on it."""
+
+    step: int
+    audited_step: int | None
+    """The last passing audit at or before ``step``."""
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+
+
 def build(cfg: dict[str, Any], rank: int, device: torch.device, injector: FaultInjector) -> Trainer:
     torch.manual_seed(cfg["seed"])
     model = DrillModel().to(device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    _settle_buckets(ddp, cfg, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    injector.install(model.activation_site, model.fault_parameter, optimizer)
+    injector.install(model, optimizer, site=SITE, param=PARAM)
+    reduce_hook, reduce_state = injector.reduce_hook_around(inner_state=ddp.process_group)
     guard = Guard(
         ddp, optimizer, _on_device(loss_fn, device),
         config=Config.from_env(audit_every=cfg["audit_every"], weight_check_every=cfg["weight_check_every"],
                                spool=cfg["spool"], seed=cfg["seed"]),
-        reduce_hook=injector.reduce_hook, reduce_state=ddp.process_group,
+        reduce_hook=reduce_hook, reduce_state=reduce_state,
     )
     return Trainer(model, optimizer, guard)
+
+
+def _settle_buckets(ddp: DistributedDataParallel, cfg: dict[str, Any], device: torch.device) -> None:
+    """One throw-away forward and backward, so that DDP settles its bucket layout (it rebuilds the
+    buckets after the first backward, in gradient order) before the first real step. Otherwise a
+    resumed job's first step would reduce in a different layout than the same step of the run
+    it resumes, and gloo's sum over ranks may round differently: not bit for bit the same run."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        loss_fn(ddp, tuple(t.to(device) for t in make_batch(cfg["seed"], 0, 0, 0))).backward()
+    ddp.module.zero_grad(set_to_none=True)
 
 
 def train(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
     """The drill's training loop; returns what this rank saw.
 
-    With ``on_alarm: resume`` an alarm stands for the whole recovery loop: the suspects' nodes are
-    "replaced" (their faults disarmed), a new job is built, and it resumes from the alarm's
-    ``last_good_checkpoint`` (with ``checkpoint_every``) or else from an in-memory copy of the
-    last verified weights."""
+    An alarm raised anywhere in a step — a check inside ``train_step`` or check 3 inside
+    ``save_checkpoint`` — stops the run (``on_alarm: stop``) or stands for the whole recovery loop
+    (``resume``): the suspects' nodes are "replaced" (their faults disarmed), a new job is built,
+    and it resumes from the alarm's ``last_good_checkpoint`` (with ``checkpoint_every``; from the
+    start when it names none) or else from the newest in-memory copy of verified weights older
+    than the alarm's suspect window."""
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cfg["backend"] == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     injector = FaultInjector([FaultSpec(**f) for f in cfg["faults"]], rank)
     job = build(cfg, rank, device, injector)
-    snapshot = _snapshot(-1, job)  # DDP broadcast rank 0's weights: all replicas start equal
+    snapshots: list[Snapshot] = [_snapshot(-1, job)]  # DDP broadcast rank 0's weights: replicas start equal
     alarms: list[str] = []
-    resumed_from: list[str | None] = []
+    recoveries: list[dict[str, Any]] = []
     stopped_at = None
     step = 0
     while step < cfg["steps"]:
-        injector.begin_step(step)
-        batches = [make_batch(cfg["seed"], step, rank, m) for m in range(cfg["micro_batches"])]
         try:
-            loss = job.guard.train_step(step, micro_batches=batches)
+            loss = _step(cfg, job, injector, rank, step)
         except SDCDetected as exc:
             alarms.append(exc.alarm["id"])
             reporter = rank == job.guard.topology.reporter(exc.suspect_ranks)
@@ -102,17 +127,17 @@ def train(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
                 break
             injector.disarm(exc.suspect_ranks)
             job = build(cfg, rank, device, injector)
-            checkpoint = exc.alarm["last_good_checkpoint"] if cfg["checkpoint_every"] else None
-            resumed_from.append(checkpoint)
-            step = (job.guard.load_checkpoint(checkpoint) if checkpoint else _restore(snapshot, job)) + 1
+            resumed, checkpoint = _resume(cfg, job, exc.alarm, snapshots)
+            snapshots = [s for s in snapshots if s.step <= resumed]  # later ones belong to the abandoned run
+            recoveries.append({"alarm": exc.alarm["id"], "step": exc.step, "resume_step": resumed,
+                               "resumed_from": checkpoint})
             if reporter:
-                print(f"[drill] suspects replaced; resuming after verified step {step - 1}"
-                      + (f" from {Path(checkpoint).name}" if checkpoint else ""), flush=True)
+                print(f"[drill] suspects replaced; resuming after step {resumed}"
+                      + (f" from {checkpoint}" if checkpoint else " (the start)" if resumed < 0 else ""), flush=True)
+            step = resumed + 1
             continue
-        if cfg["checkpoint_every"] and step % cfg["checkpoint_every"] == 0:
-            job.guard.save_checkpoint(str(Path(cfg["workdir"], "checkpoints", f"step-{step}.pt")), step)
-        elif not cfg["checkpoint_every"] and job.guard.last_weights_verified_step == step:
-            snapshot = _snapshot(step, job)
+        if not cfg["checkpoint_every"] and job.guard.last_weights_verified_step == step:
+            snapshots.append(_snapshot(step, job))  # check 3 passed on the weights after this update
         if rank == 0 and (step % cfg["print_every"] == 0 or step == cfg["steps"] - 1):
             print(f"[drill] step {step:4d}  loss {float(loss):.4f}", flush=True)
         step += 1
@@ -121,11 +146,36 @@ def train(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
         "rank": rank,
         "fired": injector.fired,
         "alarms": alarms,
-        "resumed_from": [Path(c).name if c else None for c in resumed_from],
+        "recoveries": recoveries,
         "steps_completed": stopped_at if stopped_at is not None else cfg["steps"],
         "stopped_at_step": stopped_at,
         "final_weights": digest(fingerprint(p) for p in job.model.parameters()).hex(),
     }
+
+
+def _step(cfg: dict[str, Any], job: Trainer, injector: FaultInjector, rank: int, step: int) -> torch.Tensor:
+    """One checked step, and the verified checkpoint after it when one is due."""
+    injector.begin_step(step)
+    batches = [make_batch(cfg["seed"], step, rank, m) for m in range(cfg["micro_batches"])]
+    loss = job.guard.train_step(step, micro_batches=batches)
+    if cfg["checkpoint_every"] and step % cfg["checkpoint_every"] == 0:
+        job.guard.save_checkpoint(str(Path(cfg["workdir"], "checkpoints", f"step-{step}.pt")), step)
+    return loss
+
+
+def _resume(cfg: dict[str, Any], job: Trainer, alarm: dict[str, Any], snapshots: list[Snapshot]) -> tuple[int, str | None]:
+    """Load the state to resume from into ``job``: (its step, the checkpoint file or None)."""
+    if cfg["checkpoint_every"]:
+        path = alarm.get("last_good_checkpoint")
+        if path:
+            return job.guard.load_checkpoint(path), Path(path).name
+        return _restore(snapshots[0], job), None  # nothing verified on disk before the window
+    return _restore(resume_point(snapshots, suspect_window(alarm)[0]), job), None
+
+
+def resume_point(snapshots: list[Snapshot], first_suspect_step: int) -> Snapshot:
+    """The newest snapshot taken before the suspect window (never one inside it)."""
+    return max((s for s in snapshots if s.step < first_suspect_step), key=lambda s: s.step)
 
 
 def _on_device(fn: Any, device: torch.device) -> Any:
@@ -134,15 +184,20 @@ def _on_device(fn: Any, device: torch.device) -> Any:
     return lambda module, batch: fn(module, tuple(t.to(device) for t in batch))
 
 
-def _snapshot(step: int, job: Trainer) -> tuple[int, Any, Any]:
-    return step, copy.deepcopy(job.model.state_dict()), copy.deepcopy(job.optimizer.state_dict())
+def _snapshot(step: int, job: Trainer) -> Snapshot:
+    return Snapshot(step, job.guard.history.last_audited_step,
+                    copy.deepcopy(job.model.state_dict()), copy.deepcopy(job.optimizer.state_dict()))
 
 
-def _restore(snapshot: tuple[int, Any, Any], job: Trainer) -> int:
-    step, weights, state = snapshot
-    job.model.load_state_dict(weights)
-    job.optimizer.load_state_dict(copy.deepcopy(state))
-    return step
+def _restore(snapshot: Snapshot, job: Trainer) -> int:
+    """Load ``snapshot`` into the new job; its Guard then knows what was verified, as after
+    ``load_checkpoint`` (the run starts after the snapshot's step)."""
+    job.model.load_state_dict(snapshot.model)
+    job.optimizer.load_state_dict(copy.deepcopy(snapshot.optimizer))
+    if snapshot.step >= 0:
+        job.guard.history = History(start_step=snapshot.step + 1, last_audited_step=snapshot.audited_step,
+                                    last_weights_verified_step=snapshot.step)
+    return snapshot.step
 
 
 if __name__ == "__main__":
