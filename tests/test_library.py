@@ -113,14 +113,15 @@ def test_checkpoint_without_manifest_is_refused(run, tmp_path):
         load_checkpoint(path, library_worker.Net())
 
 
-def test_finite_norms_whose_sum_overflows_raise_no_alarm(run):
-    # Check 1 sums the squared norms over ranks; an Inf sum of finite values must lead to the
-    # per-rank values (16 bytes for the sum + 16 for the gathered row) and no alarm.
+def test_finite_norms_whose_squares_would_overflow_a_sum_raise_no_alarm(run):
+    # Each rank's squared norm is 1.44e308: three of them would sum to Inf. Check 1's vote
+    # carries square roots (check 4's operand bounds), so it stays finite: no alarm, the step is
+    # applied, and nothing is gathered beyond the one 16-byte all-reduce.
     _, result = run
     for r in result("huge"):
         assert r["alarm"] is None
         assert r["applied"]
-        assert r["norm_bytes"] == 32
+        assert r["norm_bytes"] == 16
 
 
 def test_agreement_and_ring_transfer(run):
@@ -173,7 +174,10 @@ def test_compiled_models_replay_bit_exactly(run):
 def test_check4_stays_silent_on_honest_reductions_and_catches_a_scaled_element(run):
     _, result = run
     for r in result("checksum"):
-        assert r["honest_alarms"] == [] and r["honest_steps"] >= 12
+        assert r["honest_alarms"] == []
+        # finite gradients whose float32 squared norm overflows read as non-finite (a documented
+        # limit): never an alarm, and only where the values sit near the type's largest
+        assert set(r["nonfinite"]) <= {"near-overflow"} and r["honest_steps"] + len(r["nonfinite"]) == 15
         alarm = r["corrupted"]
         assert alarm is not None and alarm["check"] == "reduce-checksum"
         assert alarm["suspect_ranks"] == [] and alarm["evidence"]["exceeds_bound_by"] > 1
