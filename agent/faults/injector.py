@@ -27,25 +27,21 @@ replays alike, as a broken unit would.
 """
 
 # No `from __future__ import annotations`: DDP checks comm-hook annotations at runtime.
-import difflib
 import logging
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DataParallel, DistributedDataParallel
-
 from ..checks.commhook import ReduceHook, allreduce_mean
 from ..checks.replay import replaying
 from .spec import FaultSpec, FaultTargetError, parse_fault
+from .targets import check_element, checked_parameter, resolve_module, resolve_parameter
 
 __all__ = ["FaultInjector", "ReduceFaults", "corrupt_reduced"]
 
 log = logging.getLogger("sdcguard.faults")
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_WRAPPED = ("_orig_mod", "_checkpoint_wrapped_module")
-"""Children through which names resolve: torch.compile's and activation checkpointing's."""
 
 
 class _Target:
@@ -112,7 +108,7 @@ class FaultInjector:
                 if wanted is None:
                     raise FaultTargetError(f"{fault} strikes a parameter: pass param='NAME' to install() or put param=NAME in the fault")
                 name, parameter = resolve_parameter(model, wanted)
-                targets.append(_Target(name, _checked_parameter(fault, name, parameter, index), index))
+                targets.append(_Target(name, checked_parameter(fault, name, parameter, index), index))
         self._attach(targets, optimizer)
 
     def describe(self) -> list[str]:
@@ -179,7 +175,7 @@ class FaultInjector:
             if fault.info.corrupts == "forward":
                 targets.append(_Target(type(site).__name__, site, index))
             else:
-                targets.append(_Target("parameter", _checked_parameter(fault, "parameter", parameter, index), index))
+                targets.append(_Target("parameter", checked_parameter(fault, "parameter", parameter, index), index))
         self._attach(targets, optimizer)
 
     def _attach(self, targets: list[_Target], optimizer: torch.optim.Optimizer | None) -> None:
@@ -319,90 +315,6 @@ def _corrupt_reduced_mean(state: ReduceFaults, bucket: dist.GradBucket) -> torch
 _corrupt_reduced_mean.averages_like_ddp = True  # type: ignore[attr-defined]
 
 
-# -- finding the targets ---------------------------------------------------------------------------
-
-def resolve_module(model: torch.nn.Module, path: str) -> tuple[str, torch.nn.Module]:
-    """(canonical path, module) for ``path`` in ``model``, through compile/DDP wrappers."""
-    module, used = _unwrap(model), []
-    for part in path.split(".") if path else []:
-        child = module._modules.get(part)
-        if child is None and part in ("module", *_WRAPPED):
-            continue  # a wrapper already looked through
-        if child is None:
-            raise FaultTargetError(f"no module {path!r} in {type(_unwrap(model)).__name__}"
-                                   + _close(path, list(module_names(model))))
-        used.append(part)
-        module = _unwrap(child)
-    return ".".join(used), module
-
-
-def resolve_parameter(model: torch.nn.Module, name: str) -> tuple[str, torch.nn.Parameter]:
-    """(canonical name, parameter) for ``name`` in ``model``, through compile/DDP wrappers."""
-    path, _, leaf = name.rpartition(".")
-    parameter = None
-    try:
-        owner_name, owner = resolve_module(model, path)
-        parameter = owner._parameters.get(leaf)
-    except FaultTargetError:
-        pass
-    if parameter is None:
-        raise FaultTargetError(f"no parameter {name!r} in {type(_unwrap(model)).__name__}"
-                               + _close(name, parameter_names(model)))
-    return f"{owner_name}.{leaf}" if owner_name else leaf, parameter
-
-
-def module_names(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """Every module by its canonical path (wrappers looked through), root first."""
-    names: dict[str, torch.nn.Module] = {}
-    stack = [("", _unwrap(model))]
-    while stack:
-        prefix, module = stack.pop()
-        names.setdefault(prefix, module)
-        children = [(n, c) for n, c in module._modules.items() if c is not None]
-        stack.extend((f"{prefix}.{n}" if prefix else n, _unwrap(c)) for n, c in reversed(children))
-    return names
-
-
-def parameter_names(model: torch.nn.Module) -> list[str]:
-    return [f"{path}.{leaf}" if path else leaf
-            for path, module in module_names(model).items()
-            for leaf, p in module._parameters.items() if p is not None]
-
-
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while True:
-        if isinstance(module, (DistributedDataParallel, DataParallel)):
-            module = module.module
-        elif any(name in module._modules for name in _WRAPPED):
-            module = next(module._modules[name] for name in _WRAPPED if name in module._modules)
-        else:
-            return module
-
-
-def _close(wanted: str, names: list[str]) -> str:
-    close = difflib.get_close_matches(wanted, names, n=5, cutoff=0.5)
-    if close:
-        return "; closest: " + ", ".join(close)
-    shown = [n for n in names if n][:8]
-    return "; it has: " + ", ".join(shown) + (f", ... ({len(names)} in all)" if len(names) > len(shown) else "")
-
-
-def _checked_parameter(fault: FaultSpec, name: str, parameter: torch.nn.Parameter, element: int) -> torch.nn.Parameter:
-    if not parameter.is_floating_point():
-        raise FaultTargetError(f"{fault}: {name} is {parameter.dtype}, not a floating-point parameter")
-    if not parameter.is_contiguous():
-        raise FaultTargetError(f"{fault}: {name} is not contiguous: its flattened elements cannot be addressed")
-    _check_element(fault, f"{name} (shape {tuple(parameter.shape)})", parameter.numel(), element)
-    if fault.kind == "weight-swap" and parameter.numel() < 2:
-        raise FaultTargetError(f"{fault}: weight-swap needs two elements; {name} has one")
-    return parameter
-
-
-def _check_element(fault: FaultSpec, what: str, numel: int, element: int) -> None:
-    if not 0 <= element < numel:
-        raise FaultTargetError(f"{fault}: element {element} is out of range for {what}, which has {numel} elements")
-
-
 # -- corrupting ----------------------------------------------------------------------------------
 
 def _corrupt_output(output: Any, fault: FaultSpec, target: _Target) -> Any:
@@ -417,7 +329,7 @@ def _corrupt_output(output: Any, fault: FaultSpec, target: _Target) -> Any:
 
 
 def _corrupt_activation(output: torch.Tensor, fault: FaultSpec, target: _Target) -> torch.Tensor:
-    _check_element(fault, f"the output of {target.name} (shape {tuple(output.shape)})", output.numel(), target.element)
+    check_element(fault, f"the output of {target.name} (shape {tuple(output.shape)})", output.numel(), target.element)
     output = output.clone(memory_format=torch.contiguous_format)  # never write into what autograd saved
     flat, e = output.view(-1), target.element
     flat[e] = float("nan") if fault.kind == "forward-nan" else flat[e] * fault.magnitude
