@@ -14,7 +14,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Guard", "Step", "Config", "SDCDetected", "NonFiniteGradient", "UncheckedUpdate", "ReplayError",
     "ConfigurationError", "fingerprint", "fingerprint_many", "forward_seed", "replaying",
-    "load_checkpoint", "verify_checkpoint", "CheckpointError", "SCHEMA", "AlarmError", "__version__",
+    "load_checkpoint", "verify_checkpoint", "CheckpointError", "FaultInjector", "judge_faults",
+    "SCHEMA", "AlarmError", "__version__",
 ]
 
 _LAZY = {
@@ -23,6 +24,7 @@ _LAZY = {
     "fingerprint": "fingerprint", "fingerprint_many": "fingerprint", "forward_seed": "checks.rng",
     "replaying": "checks.replay",
     "load_checkpoint": "checkpoint", "verify_checkpoint": "checkpoint", "CheckpointError": "checkpoint",
+    "FaultInjector": "faults.injector", "judge_faults": "faults.judge",
 }
 
 

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from .guard import Guard
 
 MANIFEST_SCHEMA = "sdcguard.dev/checkpoint/v1"
+# Checkpoints before it that a manifest lists (a window rarely reaches further back).
+EARLIER_CHECKPOINTS = 16
 # Prefixes torch.compile and DDP put in front of a module's state-dict keys.
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
@@ -88,6 +90,11 @@ def _write(guard: Guard, path: Path, step: int, state: Mapping[str, Any], model_
         "model_key": model_key, "parameters": names,
         "audited_step": history.last_audited_step,
         "audited": history.last_audited_step == step,
+        "reduction_verified_step": history.last_reduction_verified_step,
+        # What a run resumed from this file must know to name a checkpoint before a window that
+        # reaches back past it.
+        "earlier_checkpoints": [{"step": c.step, "path": c.path, "audited_step": c.audited_step}
+                                for c in history.checkpoints[-EARLIER_CHECKPOINTS:] if c.step < step],
         "replicas": guard.topology.world_size,
         "verified_at": now_rfc3339(), "run_id": guard.topology.run_id,
     }, indent=2, sort_keys=True))

@@ -13,8 +13,11 @@ window starts (the first step whose results the fault may have touched):
 - ``reduce-checksum`` and ``nonfinite-reduced`` — a fault inside the all-reduce. Replicas receive
   the same wrong sum and agree, so only check 4 clears a reduction: the window starts after the
   last step whose check 4 passed (the step before, when it runs on every step). Without check 4
-  (a compression hook) nothing clears one: the window starts where this run started (the
-  checkpoint it resumed from, or step 0).
+  (a compression hook) nothing clears one: the window starts at step 0.
+
+A resumed run inherits what its checkpoint's manifest recorded (the last audit it was covered by,
+the checkpoints before it), so a window can reach back before the checkpoint it resumed from: a
+checkpoint taken between audits is trusted for a weights fault, not for a compute fault.
 
 ``last_good_checkpoint`` is the newest checkpoint taken at a step before the window (a checkpoint
 at step ``c`` holds the weights after ``c``'s update). Pure functions: unit-tested in-process.
@@ -40,8 +43,6 @@ class Checkpoint:
 class History:
     """What this run has verified so far (the same on every rank)."""
 
-    start_step: int = 0
-    """The first step this run computes (0, or the resumed checkpoint's step + 1)."""
     last_audited_step: int | None = None
     """The last audit step whose checks 1, 2 and 3 all passed."""
     last_weights_verified_step: int | None = None
@@ -49,7 +50,7 @@ class History:
     last_reduction_verified_step: int | None = None
     """The last step whose gradient all-reduce check 4 verified."""
     checkpoints: list[Checkpoint] = field(default_factory=list)
-    """Checkpoints written (or resumed from) by this run, oldest first."""
+    """Checkpoints this run wrote, resumed from, or inherited from that one's manifest, oldest first."""
 
     @property
     def last_verified_step(self) -> int | None:
@@ -66,9 +67,9 @@ def suspect_window(check: str, step: int, history: History) -> dict[str, int]:
         cleared = history.last_audited_step
     elif check in (CHECK_NONFINITE_REDUCED, CHECK_REDUCE_CHECKSUM):
         cleared = history.last_reduction_verified_step
-    else:  # a check this module does not know: trust nothing this run computed
+    else:  # a check this module does not know: trust nothing
         cleared = None
-    first = history.start_step if cleared is None else max(cleared + 1, history.start_step)
+    first = 0 if cleared is None else cleared + 1
     return {"first_step": min(first, step), "last_step": step}
 
 

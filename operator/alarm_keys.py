@@ -24,15 +24,11 @@ from sdcguard.contract import names
 
 from . import kube, metrics
 from .signing import secret_name
+from .validate import job_enabled
 
 _ready: collections.OrderedDict[str, None] = collections.OrderedDict()
 _ready_lock = threading.Lock()
 _READY_LIMIT = 10_000
-
-
-def job_enabled(annotations: Mapping[str, str]) -> bool:
-    """``sdcguard.dev/enabled: "true"``, read as the pod webhook reads it."""
-    return str(annotations.get(names.ENABLED_ANNOTATION, "")).strip().lower() == "true"
 
 
 def manifest(job: Mapping[str, Any]) -> dict[str, Any]:

@@ -7,13 +7,19 @@ metric label) and a message for people.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from sdcguard.contract import alarm as alarm_schema
 from sdcguard.contract import names
 
 from . import kube
 from .settings import Settings
+
+
+def job_enabled(annotations: Mapping[str, str]) -> bool:
+    """``sdcguard.dev/enabled: "true"`` (any case, spaces ignored): read alike by the pod webhook,
+    the alarm-key handler and alarm validation."""
+    return str(annotations.get(names.ENABLED_ANNOTATION, "")).strip().lower() == "true"
 
 
 class Rejected(Exception):
@@ -66,7 +72,7 @@ def check_job(record: dict[str, Any]) -> dict[str, Any]:
             raise Rejected("JobNotFound", f"{names.JOB_KIND} {job['namespace']}/{job['name']} does not exist") from None
         raise
     annotations = (body.get("metadata") or {}).get("annotations") or {}
-    if annotations.get(names.ENABLED_ANNOTATION) != "true":
+    if not job_enabled(annotations):  # read exactly as the pod webhook and the key handler read it
         raise Rejected("JobNotEnabled",
                        f"{names.JOB_KIND} {job['name']} is not annotated {names.ENABLED_ANNOTATION}: \"true\"")
     return body

@@ -39,7 +39,7 @@ import kopf
 from sdcguard.config import Config
 from sdcguard.contract import names
 
-from .alarm_keys import job_enabled
+from .validate import job_enabled
 from .signing import secret_name
 
 log = logging.getLogger("sdcguard_operator.webhook")

@@ -73,7 +73,7 @@ def test_replicas_that_disagree_at_the_end_have_no_final_digest():
 
 def test_resume_point_is_the_newest_snapshot_before_the_window():
     from sdcguard.drill.worker import Snapshot, resume_point
-    snapshots = [Snapshot(s, None, {}, {}) for s in (-1, 0, 2, 4, 6, 8)]
+    snapshots = [Snapshot(s, None, None, {}, {}) for s in (-1, 0, 2, 4, 6, 8)]
     assert [resume_point(snapshots, first).step for first in (0, 1, 6, 7, 9, 100)] == [-1, 0, 4, 6, 8, 8]
 
 
@@ -202,7 +202,9 @@ def test_persistent_fault_between_audits_resumes_from_before_the_last_passing_au
     # active since 10, unseen until the audit at 16: everything after the audit at 8 is suspect,
     # so the newest checkpoint (step-15) must not be named
     _recovered(alarm, recovery, (9, 16), 6)
-    _recovered(*_alarm(report, "replay", 8), (4, 8), 3)  # after the audit at 0, within the run resumed from 3
+    # after the audit at 0: the run resumed from step-3.pt (taken between audits) reaches back past
+    # it, to step-0.pt, which it knows from step-3.pt's manifest
+    _recovered(*_alarm(report, "replay", 8), (1, 8), 0)
     _recovered(*_alarm(report, "weights", 18), (17, 18), 15)
 
 

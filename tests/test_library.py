@@ -174,10 +174,9 @@ def test_compiled_models_replay_bit_exactly(run):
 def test_check4_stays_silent_on_honest_reductions_and_catches_a_scaled_element(run):
     _, result = run
     for r in result("checksum"):
-        assert r["honest_alarms"] == []
-        # finite gradients whose float32 squared norm overflows read as non-finite (a documented
-        # limit): never an alarm, and only where the values sit near the type's largest
-        assert set(r["nonfinite"]) <= {"near-overflow"} and r["honest_steps"] + len(r["nonfinite"]) == 15
+        # finite gradients whose float32 squared norm overflows (dynamic range to 1e30, values near
+        # the type's largest) are recognised as finite element by element: no alarm, no error
+        assert r["honest_alarms"] == [] and r["nonfinite"] == [] and r["honest_steps"] == 15
         alarm = r["corrupted"]
         assert alarm is not None and alarm["check"] == "reduce-checksum"
         assert alarm["suspect_ranks"] == [] and alarm["evidence"]["exceeds_bound_by"] > 1

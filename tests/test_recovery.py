@@ -38,24 +38,32 @@ def test_nonfinite_local_is_treated_as_a_compute_fault():
     assert suspect_window("nonfinite-local", 8, h) == {"first_step": 4, "last_step": 8}
 
 
-def test_nonfinite_reduced_clears_nothing_this_run_computed():
-    h = history(last_audited_step=7, last_weights_verified_step=7, start_step=5)
-    assert suspect_window("nonfinite-reduced", 8, h) == {"first_step": 5, "last_step": 8}
+def test_reduction_faults_reach_back_to_the_last_passing_check_4():
+    h = history(last_audited_step=7, last_weights_verified_step=7, last_reduction_verified_step=7)
+    assert suspect_window("reduce-checksum", 8, h) == {"first_step": 8, "last_step": 8}
+    assert suspect_window("nonfinite-reduced", 8, h) == {"first_step": 8, "last_step": 8}
+    without_check_4 = history(last_audited_step=7, last_weights_verified_step=7)
+    assert suspect_window("nonfinite-reduced", 8, without_check_4) == {"first_step": 0, "last_step": 8}
 
 
 @pytest.mark.parametrize("check", ["replay", "weights", "nonfinite-local", "nonfinite-reduced", "a-future-check"])
 def test_without_any_verification_the_window_is_the_whole_run(check):
-    h = History(start_step=0)
+    h = History()
     fields = recovery_fields(check, 4, h)
     assert fields["suspect_window"] == {"first_step": 0, "last_step": 4}
     assert fields["last_good_checkpoint"] is None and fields["steps_at_risk"] == 5
 
 
-def test_a_resumed_run_never_reaches_back_before_its_start():
-    h = History(start_step=9, last_audited_step=5, checkpoints=[Checkpoint(8, "step-8.pt", 5)])
+def test_a_resumed_run_reaches_back_past_its_checkpoint_to_the_last_audit():
+    # resumed from step-8.pt, which the audit at 5 covered: a compute fault caught at 12 may have
+    # begun at 6, so step-8.pt is suspect; step-4.pt (inherited from the manifest) is not
+    h = History(last_audited_step=5, last_weights_verified_step=8,
+                checkpoints=[Checkpoint(4, "step-4.pt", 0), Checkpoint(8, "step-8.pt", 5)])
     fields = recovery_fields("replay", 12, h)
-    assert fields["suspect_window"] == {"first_step": 9, "last_step": 12}
-    assert fields["last_good_checkpoint"] == "step-8.pt"
+    assert fields["suspect_window"] == {"first_step": 6, "last_step": 12}
+    assert fields["last_good_checkpoint"] == "step-4.pt"
+    # a weights fault is cleared by the weights verified when step-8.pt was loaded
+    assert recovery_fields("weights", 12, h)["last_good_checkpoint"] == "step-8.pt"
 
 
 def test_an_alarm_on_the_step_after_an_audit_window_is_that_step():

@@ -64,6 +64,8 @@ class Snapshot:
     step: int
     audited_step: int | None
     """The last passing audit at or before ``step``."""
+    reduction_verified_step: int | None
+    """The last step whose all-reduce check 4 verified."""
     model: dict[str, Any]
     optimizer: dict[str, Any]
 
@@ -185,7 +187,8 @@ def _on_device(fn: Any, device: torch.device) -> Any:
 
 
 def _snapshot(step: int, job: Trainer) -> Snapshot:
-    return Snapshot(step, job.guard.history.last_audited_step,
+    history = job.guard.history
+    return Snapshot(step, history.last_audited_step, history.last_reduction_verified_step,
                     copy.deepcopy(job.model.state_dict()), copy.deepcopy(job.optimizer.state_dict()))
 
 
@@ -195,8 +198,8 @@ def _restore(snapshot: Snapshot, job: Trainer) -> int:
     job.model.load_state_dict(snapshot.model)
     job.optimizer.load_state_dict(copy.deepcopy(snapshot.optimizer))
     if snapshot.step >= 0:
-        job.guard.history = History(start_step=snapshot.step + 1, last_audited_step=snapshot.audited_step,
-                                    last_weights_verified_step=snapshot.step)
+        job.guard.history = History(last_audited_step=snapshot.audited_step, last_weights_verified_step=snapshot.step,
+                                    last_reduction_verified_step=snapshot.reduction_verified_step)
     return snapshot.step
 
 
