@@ -238,7 +238,7 @@ class Guard:
         del state
         audited = manifest.get("audited_step")
         earlier = [recovery.Checkpoint(int(c["step"]), str(c["path"]), c.get("audited_step"))
-                   for c in manifest.get("earlier_checkpoints") or [] if os.path.exists(c["path"])]
+                   for c in manifest.get("earlier_checkpoints") or [] if _still_holds(c["path"], c["step"])]
         self.history = recovery.History(
             last_audited_step=audited, last_weights_verified_step=step,
             last_reduction_verified_step=manifest.get("reduction_verified_step"),
@@ -524,6 +524,16 @@ def unwrap(model: torch.nn.Module) -> tuple[DistributedDataParallel | None, torc
             compiled, m = True, m._orig_mod
         else:
             return ddp, m, compiled
+
+
+def _still_holds(path: str, step: int) -> bool:
+    """Whether ``path`` still holds the checkpoint of ``step`` (a path reused by a later save
+    holds another step now)."""
+    from .checkpoint import CheckpointError, read_manifest
+    try:
+        return int(read_manifest(path)["step"]) == int(step)
+    except (CheckpointError, OSError, ValueError):
+        return False
 
 
 def _first_nonfinite(losses: list[torch.Tensor]) -> int | None:

@@ -205,3 +205,18 @@ def test_verify_checkpoint_command(tmp_path):
     bad = cli("verify-checkpoint", str(path))
     assert bad.returncode == 1 and "MISMATCH" in bad.stdout and "modified" in bad.stdout
     assert cli("verify-checkpoint", str(tmp_path / "missing.pt")).returncode == 2
+
+
+def test_a_resumed_guard_knows_the_checkpoints_before_its_own(tmp_path):
+    # a window may reach back past the checkpoint a run resumed from: the manifest lists the ones
+    # before it, and a path a later save reused (it holds another step now) is left out
+    model, opt, guard = make()
+    for step, name in ((0, "a.pt"), (2, "b.pt"), (4, "a.pt")):
+        guard.train_step(step, data(step))
+        guard.save_checkpoint(tmp_path / name, step)
+    _, _, resumed = make()
+    assert resumed.load_checkpoint(tmp_path / "a.pt") == 4
+    assert resumed.checkpoints == [(2, str(tmp_path / "b.pt")), (4, str(tmp_path / "a.pt"))]
+    _, _, older = make()
+    assert older.load_checkpoint(tmp_path / "b.pt") == 2
+    assert older.checkpoints == [(2, str(tmp_path / "b.pt"))]  # a.pt no longer holds step 0
