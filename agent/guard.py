@@ -288,7 +288,7 @@ class Guard:
         if self.solo:
             self._check_solo(s)
         elif s.audit:
-            self._audit(s, payload)  # checks 1, 2 and 3, agreed on in one all-reduce
+            self._audit(s, payload)  # checks 1 and 4, then 2 and 3 agreed on in one all-reduce
         else:
             self._check_nonfinite(s, payload)
 
@@ -367,14 +367,13 @@ class Guard:
         s.skipped = True
 
     def _audit(self, s: Step, payload: Payload) -> None:
-        """Checks 1, 2 and 3 with one collective after the backward pass, besides the batch
-        transfer between ring neighbours: this rank's batch leaves for its replayer with the
-        digest of its own pass, the weights are fingerprinted while it travels (before the
-        replay, as the SPEC says), the neighbour's batch is replayed and compared locally, and one
-        16-byte all-reduce says whether every rank's gradients are finite, its weights agree and
-        its replay matched. Checks 1 and 4 run first, as on every step (a NaN step is not
-        replayed); only when the agreement says no are the digests gathered and judged — weights,
-        then replays — so that a weight fault is not taken for a compute fault."""
+        """Checks 1 and 4 as on every step (a NaN step is not replayed), then checks 2 and 3 with
+        one collective besides the batch transfer between ring neighbours: this rank's batch
+        leaves for its replayer with the digest of its own pass, the weights are fingerprinted
+        while it travels (before the replay, as the SPEC says), the neighbour's batch is replayed
+        and compared locally, and one 16-byte all-reduce says whether every rank's weights agree
+        and its replay matched. Only when it says no are the digests gathered and judged —
+        weights, then replays — so that a weight fault is not taken for a compute fault."""
         step = s.step
         if not self._check_nonfinite(s, payload):  # checks 1 and 4 first: nothing to replay in a NaN step
             return
