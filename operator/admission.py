@@ -12,7 +12,10 @@ mutating webhook with ``failurePolicy: Fail`` for CREATE and UPDATE of ``noderep
   ``patch`` right that lets the request reach us is not enough;
 - a decision, once made, never changes (nor does its reason or its decider);
 - the target (node, instance, cluster, instance group) and the incident references are the
-  operator's: nobody else may change them after creation.
+  operator's: nobody else may change them after creation;
+- ``spec.release`` (``kubectl sdcguard release NODE``: give a Failed replacement's storm-guard slot
+  back) is treated like a decision: it needs ``approve``, records ``spec.releasedBy`` /
+  ``releasedByGroups`` from the authenticated user, and is final.
 
 The CRD repeats the immutability as CEL ``x-kubernetes-validations`` so that it holds while this
 webhook is absent. :func:`judge` is pure and decides everything but the SubjectAccessReview.
@@ -36,6 +39,7 @@ HANDLER_ID = "sdcguard-nodereplacement-admission"  # also the URL path kopf serv
 TARGET_FIELDS = ("nodeName", "instanceId", "clusterName", "instanceGroup")
 OPERATOR_FIELDS = TARGET_FIELDS + ("incidents",)
 DECIDER_FIELDS = ("decidedBy", "decidedByGroups")
+RELEASER_FIELDS = ("releasedBy", "releasedByGroups")
 APPROVE_VERB = "approve"
 SAR_TIMEOUT = 3.0
 
@@ -52,6 +56,7 @@ class Verdict:
     code: int = 200
     reason: str = "Allowed"
     deciding: str | None = None
+    releasing: bool = False
 
 
 def _refuse(reason: str, message: str, code: int = 403) -> Verdict:
@@ -71,6 +76,19 @@ def judge(operation: str, old: Mapping[str, Any] | None, new: Mapping[str, Any] 
                            "fixed when the sdcguard operator creates it; nobody may change it", 422)
         if changed:
             return _refuse("OperatorField", "spec.incidents is written by the sdcguard operator only")
+    released, releasing = bool(old.get("release")), bool(new.get("release"))
+    if released and (not releasing or any(old.get(f) != new.get(f) for f in RELEASER_FIELDS + ("releaseReason",))):
+        return _refuse("ReleaseFinal", "spec.release and its record are final once requested", 422)
+    if not releasing and any(old.get(f) != new.get(f) for f in RELEASER_FIELDS):
+        return _refuse("ReleaserForged", f"spec.{', spec.'.join(RELEASER_FIELDS)}: who released is recorded from "
+                       "the authenticated user when spec.release is set, never written by a client", 422)
+    verdict = _judge_decision(old, new)
+    if verdict.allowed and releasing and not released:
+        return dataclasses.replace(verdict, releasing=True)
+    return verdict
+
+
+def _judge_decision(old: dict[str, Any], new: dict[str, Any]) -> Verdict:
     before, after = old.get("decision") or "", new.get("decision") or ""
     if before:
         if after != before:
@@ -122,7 +140,7 @@ async def admit(body: kopf.Body, old: kopf.Body | None, new: kopf.Body | None, o
     username = str(userinfo.get("username") or "")
     verdict = judge(operation or "", (old or {}).get("spec"), (new or body).get("spec"), username,
                     Settings.from_env().operator_username)
-    if verdict.allowed and verdict.deciding:
+    if verdict.allowed and (verdict.deciding or verdict.releasing):
         allowed, why = await asyncio.to_thread(may_approve, userinfo, name)
         if not allowed:
             verdict = _refuse("NotApprover", f"{username or 'this user'} may not decide NodeReplacement {name}: "
@@ -133,6 +151,11 @@ async def admit(body: kopf.Body, old: kopf.Body | None, new: kopf.Body | None, o
         metrics.ADMISSION.labels(verdict.reason).inc()
         log.warning(f"NodeReplacement {name}: {operation} by {username} refused: {verdict.message}")
         raise kopf.AdmissionError(verdict.message, code=verdict.code)
+    if verdict.releasing:
+        patch.spec["releasedBy"] = username
+        patch.spec["releasedByGroups"] = [str(g) for g in userinfo.get("groups") or []]
+        metrics.ADMISSION.labels("Released").inc()
+        log.info(f"NodeReplacement {name}: storm-guard slot release requested by {username}")
     if verdict.deciding:
         patch.spec["decidedBy"] = username
         patch.spec["decidedByGroups"] = [str(g) for g in userinfo.get("groups") or []]

@@ -43,7 +43,7 @@ def record(name: str, body: dict[str, Any], decision: str) -> dict[str, Any]:
     spec = body.get("spec") or {}
     (by, groups), why = who(spec), spec.get("decisionReason") or ""
     message = f"{decision.lower()} by {by}" + (f": {why}" if why else "")
-    return kube.record(names.REPLACEMENTS, None, name, decision, message,
+    return kube.record(names.REPLACEMENTS, None, name, decision, message, only_if=lambda st: not recorded(st),
                        decision={"decision": decision, "by": by, "groups": groups, "reason": why, "time": kube.now()},
                        conditions=[kube.condition(decision, True, "AdmissionUserInfo" if spec.get("decidedBy") else
                                                   "NotAttributed", message)]).get("status") or {}

@@ -1,7 +1,11 @@
 """``sdcguard operator [--namespace NS ...] [--verbose] [--liveness URL]``: run the operator with kopf.
 
-Same as ``kopf run -m sdcguard_operator --standalone``; namespaces default to SDCGUARD_NAMESPACES
-(all namespaces when empty).
+With leader election (``SDCGUARD_LEADER_ELECTION``, on by default; the chart runs two replicas)
+every replica serves the webhooks (pod mutation, NodeReplacement admission) and the liveness
+endpoint from one kopf instance at once, while the handlers run in a second kopf instance only
+once this replica holds the Lease (:mod:`.leader`).  ``--no-leader-election`` (or the variable set
+to false) is ``kopf run -m sdcguard_operator --standalone``: one replica only.  Namespaces default
+to SDCGUARD_NAMESPACES (all namespaces when empty).
 """
 from __future__ import annotations
 
@@ -15,7 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sdcguard operator", description=__doc__.splitlines()[0])
     parser.add_argument("--namespace", "-n", action="append", default=[], help="namespace to watch (repeatable)")
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--debug", action="store_true")
+    parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz")
+    parser.add_argument("--log-format", default="full", choices=("plain", "full", "json"))
+    parser.add_argument("--no-leader-election", action="store_true",
+                        help="act without a Lease (one replica only; same as SDCGUARD_LEADER_ELECTION=false)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         settings = Settings.from_env()
@@ -23,10 +32,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sdcguard operator: error: {exc}", file=sys.stderr)
         return 2
     namespaces = args.namespace or list(settings.namespaces)
+    if settings.leader_election and not args.no_leader_election:
+        return run_elected(settings, namespaces, args.liveness, args.log_format,
+                           dict(verbose=args.verbose, debug=args.debug, quiet=args.quiet))
     kopf_argv = ["kopf", "run", "-m", "sdcguard_operator", "--standalone"]
     kopf_argv += [f"--namespace={ns}" for ns in namespaces] or ["--all-namespaces"]
-    if args.verbose:
-        kopf_argv.append("--verbose")
+    kopf_argv += [f"--{flag}" for flag in ("verbose", "debug", "quiet") if getattr(args, flag)]
+    kopf_argv.append(f"--log-format={args.log_format}")
     if args.liveness:
         kopf_argv.append(f"--liveness={args.liveness}")
     from kopf.cli import main as kopf_main
@@ -35,4 +47,37 @@ def main(argv: list[str] | None = None) -> int:
         kopf_main.main(args=kopf_argv[1:], prog_name="kopf", standalone_mode=False)
     except SystemExit as exc:
         return int(exc.code or 0)
+    return 0
+
+
+def run_elected(settings: Settings, namespaces: list[str], liveness: str | None, log_format: str,
+                levels: dict[str, bool]) -> int:
+    """Webhooks always (a kopf instance in a thread); handlers only while leader (the main thread)."""
+    import asyncio
+    import threading
+
+    import kopf
+
+    from . import admission, handlers, leader, metrics, webhook
+
+    kopf.configure(log_format=kopf.LogFormat[log_format.upper()], **levels)
+    scope = dict(clusterwide=not namespaces, namespaces=namespaces)
+    serving = kopf.OperatorRegistry()
+    kopf.on.login(registry=serving, id="sdcguard-login")(handlers.login)
+    webhook.register(serving)
+    admission.register(serving)
+    threading.Thread(target=lambda: asyncio.run(kopf.operator(registry=serving, standalone=True,
+                                                              liveness_endpoint=liveness, **scope)),
+                     name="sdcguard-webhooks", daemon=True).start()
+    metrics.serve(settings.metrics_port)
+    elector = leader.Elector(settings)
+    elector.acquire()
+    holding = elector.start_holding()
+    acting = kopf.OperatorRegistry()
+    handlers.register(acting)
+    try:
+        kopf.run(registry=acting, standalone=True, **scope)
+    finally:
+        holding.set()
+        elector.release()
     return 0

@@ -1,20 +1,27 @@
 """Containment: suspend the job, cordon and label suspect nodes, under the storm guard.
 
-The storm guard counts nodes carrying ``sdcguard.dev/suspect=true`` in the API (not in memory), so
-its limit holds across restarts; the count and the cordon run under one process-wide lock so two
-incidents handled at once cannot both take the last slot.
+The storm guard's slots live in the API, not in memory: a ConfigMap, ``sdcguard-storm-guard`` in
+the operator's namespace, maps each node sdcguard holds to the incident that took it.  A slot is
+taken with a compare-and-swap (a patch conditional on the ConfigMap's resourceVersion), so two
+incidents handled at once — by two handlers of one process or by two replicas — cannot both take
+the last slot; only then is the node cordoned and labelled ``sdcguard.dev/suspect=true``.  Nodes
+carrying the label without a slot (labelled by an older operator) count as taken too.  A slot is
+given back when the node is released: denied, replaced, or ``kubectl sdcguard release NODE`` after
+a failed replacement.
 """
 from __future__ import annotations
 
-import threading
 from typing import Any
+
+import kubernetes
 
 from sdcguard.contract import names
 
 from . import kube, metrics
 from .settings import Settings
 
-_cordon_lock = threading.Lock()
+LEDGER = "sdcguard-storm-guard"
+LEDGER_RETRIES = 16
 
 
 def suspend_job(job: dict[str, str]) -> bool:
@@ -36,46 +43,103 @@ def suspect_nodes() -> list[str]:
     return [n.metadata.name for n in nodes if (n.metadata.labels or {}).get(names.SUSPECT_LABEL) == "true"]
 
 
+def ledger_namespace(settings: Settings) -> str:
+    return settings.pod_namespace or "default"
+
+
+def _ledger(namespace: str) -> Any:
+    """The slot ConfigMap, created empty if it does not exist yet."""
+    try:
+        return kube.core().read_namespaced_config_map(LEDGER, namespace)
+    except kubernetes.client.ApiException as exc:
+        if not kube.not_found(exc):
+            raise
+    try:
+        return kube.core().create_namespaced_config_map(namespace, {
+            "metadata": {"name": LEDGER, "namespace": namespace,
+                         "labels": {"app.kubernetes.io/managed-by": "sdcguard"}}, "data": {}})
+    except kubernetes.client.ApiException as exc:
+        if not kube.conflict(exc):
+            raise
+    return kube.core().read_namespaced_config_map(LEDGER, namespace)
+
+
+def slots(settings: Settings) -> dict[str, str]:
+    """Nodes holding a storm-guard slot -> the incident that took it (labelled nodes included)."""
+    taken = dict(_ledger(ledger_namespace(settings)).data or {})
+    for node in suspect_nodes():
+        taken.setdefault(node, "")
+    return taken
+
+
+def _take_slot(node_name: str, incident_ref: str, settings: Settings) -> bool:
+    """Compare-and-swap a slot for the node into the ledger; False when the storm guard is full."""
+    namespace = ledger_namespace(settings)
+    for _ in range(LEDGER_RETRIES):
+        ledger = _ledger(namespace)
+        data = dict(ledger.data or {})
+        if node_name in data:
+            return True  # taken before (by us before a crash, or by another incident of the node)
+        taken = set(data) | set(suspect_nodes())
+        metrics.SUSPECT_NODES.set(len(taken))
+        if node_name not in taken and len(taken) >= settings.max_concurrent_suspect_nodes:
+            return False
+        try:
+            kube.core().patch_namespaced_config_map(LEDGER, namespace, {
+                "metadata": {"resourceVersion": ledger.metadata.resource_version},
+                "data": {node_name: incident_ref}})
+            return True
+        except kubernetes.client.ApiException as exc:
+            if not kube.conflict(exc):
+                raise  # another slot changed meanwhile: count again
+    raise RuntimeError(f"storm-guard ledger {namespace}/{LEDGER}: still conflicting after {LEDGER_RETRIES} reads")
+
+
+def _give_slot(node_name: str, settings: Settings) -> None:
+    """Remove the node's slot (a merge patch deleting one key: no precondition needed)."""
+    namespace = ledger_namespace(settings)
+    if node_name in (_ledger(namespace).data or {}):
+        kube.core().patch_namespaced_config_map(LEDGER, namespace, {"data": {node_name: None}})
+
+
 def cordon(node_name: str, incident_ref: str, settings: Settings) -> str:
     """Cordon + label one node: "cordoned", "already" (labelled before), "storm-guard" or "missing"."""
-    with _cordon_lock:
-        try:
-            node = kube.core().read_node(node_name)
-        except Exception as exc:
-            if kube.not_found(exc):
-                return "missing"
-            raise
-        if (node.metadata.labels or {}).get(names.SUSPECT_LABEL) == "true":
-            return "already"
-        suspects = suspect_nodes()
-        metrics.SUSPECT_NODES.set(len(suspects))
-        if len(suspects) >= settings.max_concurrent_suspect_nodes:
-            metrics.STORM_GUARD_HOLDS.inc()
-            return "storm-guard"
-        annotations = {names.INCIDENT_ANNOTATION: incident_ref}
-        if node.spec is not None and node.spec.unschedulable:
-            annotations[names.WAS_UNSCHEDULABLE_ANNOTATION] = "true"
-        kube.core().patch_node(node_name, {"spec": {"unschedulable": True},
-                                           "metadata": {"labels": {names.SUSPECT_LABEL: "true"},
-                                                        "annotations": annotations}})
-        metrics.NODES_CORDONED.inc()
-        metrics.SUSPECT_NODES.set(len(suspects) + 1)
-        return "cordoned"
+    try:
+        node = kube.core().read_node(node_name)
+    except Exception as exc:
+        if kube.not_found(exc):
+            return "missing"
+        raise
+    if (node.metadata.labels or {}).get(names.SUSPECT_LABEL) == "true":
+        return "already"
+    if not _take_slot(node_name, incident_ref, settings):
+        metrics.STORM_GUARD_HOLDS.inc()
+        return "storm-guard"
+    annotations = {names.INCIDENT_ANNOTATION: incident_ref}
+    if node.spec is not None and node.spec.unschedulable:
+        annotations[names.WAS_UNSCHEDULABLE_ANNOTATION] = "true"
+    kube.core().patch_node(node_name, {"spec": {"unschedulable": True},
+                                       "metadata": {"labels": {names.SUSPECT_LABEL: "true"},
+                                                    "annotations": annotations}})
+    metrics.NODES_CORDONED.inc()
+    return "cordoned"
 
 
-def release(node_name: str, keep_cordoned: bool = False) -> bool:
-    """Remove the suspect label (and uncordon, unless the node was cordoned before us); False if gone."""
-    with _cordon_lock:
-        try:
-            node = kube.core().read_node(node_name)
-        except Exception as exc:
-            if kube.not_found(exc):
-                return False
-            raise
-        annotations = node.metadata.annotations or {}
-        patch: dict[str, Any] = {"metadata": {"labels": {names.SUSPECT_LABEL: None},
-                                              "annotations": {names.INCIDENT_ANNOTATION: None, names.WAS_UNSCHEDULABLE_ANNOTATION: None}}}
-        if not keep_cordoned and annotations.get(names.WAS_UNSCHEDULABLE_ANNOTATION) != "true":
-            patch["spec"] = {"unschedulable": None}
-        kube.core().patch_node(node_name, patch)
-        return True
+def release(node_name: str, settings: Settings, keep_cordoned: bool = False) -> bool:
+    """Remove the suspect label (and uncordon, unless the node was cordoned before us), then give
+    the storm-guard slot back; False if the node is gone (its slot is given back all the same)."""
+    try:
+        node = kube.core().read_node(node_name)
+    except Exception as exc:
+        if kube.not_found(exc):
+            _give_slot(node_name, settings)
+            return False
+        raise
+    annotations = node.metadata.annotations or {}
+    patch: dict[str, Any] = {"metadata": {"labels": {names.SUSPECT_LABEL: None},
+                                          "annotations": {names.INCIDENT_ANNOTATION: None, names.WAS_UNSCHEDULABLE_ANNOTATION: None}}}
+    if not keep_cordoned and annotations.get(names.WAS_UNSCHEDULABLE_ANNOTATION) != "true":
+        patch["spec"] = {"unschedulable": None}
+    kube.core().patch_node(node_name, patch)
+    _give_slot(node_name, settings)
+    return True

@@ -1,4 +1,9 @@
-"""The kopf handlers: registration only; each delegates in one line to the module that does the work."""
+"""The kopf handlers: registration only; each delegates in one line to the module that does the work.
+
+``register(registry)`` puts them into a registry: on import into kopf's default one (``kopf run -m
+sdcguard_operator``), and into a registry of their own for ``sdcguard operator``, which runs them
+only while this replica is the leader (:mod:`.leader`) and serves the webhooks from another.
+"""
 from __future__ import annotations
 
 import logging
@@ -13,9 +18,9 @@ from .settings import Settings
 
 SETTINGS = Settings.from_env()
 ALARM_FILTER = dict(field="reason", value=names.EVENT_REASON)
+KEY_RECHECK_SECONDS = 60.0
 
 
-@kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
     """Server-side field selector for alarm Events (client-side filter below too); quiet kopf Events."""
     settings.watching.field_selectors["v1", "events"] = f"reason={names.EVENT_REASON}"
@@ -28,7 +33,6 @@ def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any)
     logger.info(f"sdcguard operator settings: {SETTINGS}")
 
 
-@kopf.on.login()
 def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
@@ -37,30 +41,58 @@ def _wants_key(annotations: kopf.Annotations, namespace: str | None, **_: Any) -
     return alarm_keys.job_enabled(annotations) and (not SETTINGS.namespaces or namespace in SETTINGS.namespaces)
 
 
-@kopf.on.event(names.JOB_GROUP, names.JOB_VERSION, names.JOB_PLURAL, when=_wants_key)
 def job_alarm_key(body: kopf.Body, type: str | None, logger: logging.Logger, **_: Any) -> None:
     """Every enabled PyTorchJob, also those listed at start-up (type None), gets its alarm key."""
     if type != "DELETED":
         alarm_keys.ensure(dict(body), logger)
 
 
-@kopf.on.create("v1", "events", **ALARM_FILTER, backoff=SETTINGS.retry_seconds, retries=20)
+def job_alarm_key_recheck(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """A key Secret deleted while its job lives is recreated (the job itself may never change)."""
+    alarm_keys.ensure(dict(body), logger)
+
+
 def alarm_event(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
     patch.metadata.annotations[names.INTAKE_ANNOTATION] = intake.handle(dict(body), SETTINGS, logger)
 
 
-@kopf.on.resume(names.GROUP, names.VERSION, names.INCIDENTS, backoff=SETTINGS.retry_seconds)
-@kopf.on.create(names.GROUP, names.VERSION, names.INCIDENTS, backoff=SETTINGS.retry_seconds)
 def incident_contain(body: kopf.Body, **_: Any) -> None:
     incident.reconcile(dict(body), SETTINGS)
 
 
-@kopf.timer(names.GROUP, names.VERSION, names.REPLACEMENTS, interval=SETTINGS.poll_seconds,
-            backoff=SETTINGS.retry_seconds, when=replacement.is_open)
 def replacement_tick(body: kopf.Body, **_: Any) -> None:
     replacement.reconcile(dict(body), SETTINGS)
 
 
-@kopf.on.field(names.GROUP, names.VERSION, names.REPLACEMENTS, field="spec.decision", backoff=SETTINGS.retry_seconds)
 def replacement_decided(body: kopf.Body, **_: Any) -> None:
     replacement.reconcile(dict(body), SETTINGS)
+
+
+def replacement_released(body: kopf.Body, **_: Any) -> None:
+    replacement.release(dict(body), SETTINGS)
+
+
+def register(registry: kopf.OperatorRegistry, *, with_login: bool = True) -> None:
+    on = kopf.on
+    on.startup(registry=registry, id="sdcguard-configure")(configure)
+    if with_login:
+        on.login(registry=registry, id="sdcguard-login")(login)
+    on.event(names.JOB_GROUP, names.JOB_VERSION, names.JOB_PLURAL, registry=registry, id="job_alarm_key",
+             when=_wants_key)(job_alarm_key)
+    kopf.timer(names.JOB_GROUP, names.JOB_VERSION, names.JOB_PLURAL, registry=registry, id="job_alarm_key_recheck",
+               interval=KEY_RECHECK_SECONDS, idle=KEY_RECHECK_SECONDS, when=_wants_key)(job_alarm_key_recheck)
+    on.create("v1", "events", **ALARM_FILTER, registry=registry, id="alarm_event", backoff=SETTINGS.retry_seconds,
+              retries=20)(alarm_event)
+    for decorator in (on.resume, on.create):
+        decorator(names.GROUP, names.VERSION, names.INCIDENTS, registry=registry, id="incident_contain",
+                  backoff=SETTINGS.retry_seconds)(incident_contain)
+    kopf.timer(names.GROUP, names.VERSION, names.REPLACEMENTS, registry=registry, id="replacement_tick",
+               interval=SETTINGS.poll_seconds, backoff=SETTINGS.retry_seconds,
+               when=replacement.is_open)(replacement_tick)
+    on.field(names.GROUP, names.VERSION, names.REPLACEMENTS, field="spec.decision", registry=registry,
+             id="replacement_decided", backoff=SETTINGS.retry_seconds)(replacement_decided)
+    on.field(names.GROUP, names.VERSION, names.REPLACEMENTS, field="spec.release", registry=registry,
+             id="replacement_released", backoff=SETTINGS.retry_seconds)(replacement_released)
+
+
+register(kopf.get_default_registry())

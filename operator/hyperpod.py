@@ -20,6 +20,10 @@ from .settings import Settings
 THROTTLING_CODES = {"ThrottlingException", "Throttling", "TooManyRequestsException", "RequestLimitExceeded",
                     "ProvisionedThroughputExceededException", "SlowDown"}
 
+#: Failed entries of BatchReplaceClusterNodes worth retrying (after DescribeClusterNode shows that
+#: the attempt did not take effect).
+TRANSIENT_CODES = {"InternalServerError", "InternalFailure", "ServiceUnavailable"}
+
 _client: Any = None
 _lock = threading.Lock()
 
@@ -44,7 +48,8 @@ def client(settings: Settings) -> Any:
     global _client
     with _lock:
         if _client is None:
-            config = botocore.config.Config(retries={"total_max_attempts": 1}, connect_timeout=5, read_timeout=20)
+            config = botocore.config.Config(retries={"total_max_attempts": 1}, connect_timeout=settings.aws_connect_timeout,
+                                            read_timeout=settings.aws_read_timeout)
             _client = boto3.client("sagemaker", region_name=settings.region, config=config)
         return _client
 
@@ -59,7 +64,7 @@ def _call(settings: Settings, operation: str, **params: Any) -> dict[str, Any]:
         code, message = error.get("Code", "Unknown"), error.get("Message", str(exc))
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         metrics.AWS_ERRORS.labels(operation, code).inc()
-        if code in THROTTLING_CODES or status >= 500:
+        if code in THROTTLING_CODES or code in TRANSIENT_CODES or status >= 500:
             raise Throttled(operation, code, message) from None
         if code == "ResourceNotFound" or "could not find node" in message.lower():
             raise NodeNotFound(operation, code, message) from None

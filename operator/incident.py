@@ -132,35 +132,34 @@ def reconcile(body: dict[str, Any], settings: Settings) -> None:
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     spec = body["spec"]
     ref = f"{namespace}/{name}"
-    with kube.object_lock("reconcile-incident", namespace, name):
-        status = kube.get_incident(namespace, name).get("status") or {}
-        if not status.get("phase"):
-            status = _open(namespace, name, spec)
-        elif "suspectWindow" not in status:  # opened by an operator that did not record the plan yet
-            status = _backfill_recovery(namespace, name, spec)
-        status = _suspend(namespace, name, spec, status, settings)
-        held = _cordon_all(namespace, name, ref, spec, status, settings)
-        status = kube.get_incident(namespace, name).get("status") or {}
-        _open_replacements(namespace, name, ref, status, settings)
-        if held:
-            if not kube.is_true(status, "StormGuard"):
-                _record(namespace, name, "StormGuard",
-                        f"{held} not cordoned: {settings.max_concurrent_suspect_nodes} suspect nodes already "
-                        "cordoned (maxConcurrentSuspectNodes)",
-                        conditions=[kube.condition("StormGuard", True, "MaxConcurrentSuspectNodes",
-                                                   f"held back: {', '.join(held)}")])
-            raise kopf.TemporaryError(f"storm guard holds {held}", delay=settings.storm_guard_recheck_seconds)
-        status = kube.get_incident(namespace, name).get("status") or {}
-        if kube.is_true(status, "StormGuard"):
-            _record(namespace, name, "StormGuardReleased", "every suspect node is now cordoned",
-                    conditions=[kube.condition("StormGuard", False, "SlotFree", "all suspect nodes cordoned")])
-        if status.get("phase") == "Containing":
-            waiting = bool(status.get("replacements"))
-            _record(namespace, name, "Contained",
-                    "awaiting approval of node replacement" if waiting else "contained; no node to replace",
-                    phase="AwaitingApproval" if waiting else "Contained",
-                    conditions=[kube.condition("Contained", True, "Contained", "job and suspect nodes contained")])
-        sync(ref)
+    status = kube.get_incident(namespace, name).get("status") or {}
+    if not status.get("phase"):
+        status = _open(namespace, name, spec)
+    elif "suspectWindow" not in status:  # opened by an operator that did not record the plan yet
+        status = _backfill_recovery(namespace, name, spec)
+    status = _suspend(namespace, name, spec, status, settings)
+    held = _cordon_all(namespace, name, ref, spec, status, settings)
+    status = kube.get_incident(namespace, name).get("status") or {}
+    _open_replacements(namespace, name, ref, status, settings)
+    if held:
+        if not kube.is_true(status, "StormGuard"):
+            _record(namespace, name, "StormGuard",
+                    f"{held} not cordoned: {settings.max_concurrent_suspect_nodes} suspect nodes already "
+                    "cordoned (maxConcurrentSuspectNodes)",
+                    conditions=[kube.condition("StormGuard", True, "MaxConcurrentSuspectNodes",
+                                               f"held back: {', '.join(held)}")])
+        raise kopf.TemporaryError(f"storm guard holds {held}", delay=settings.storm_guard_recheck_seconds)
+    status = kube.get_incident(namespace, name).get("status") or {}
+    if kube.is_true(status, "StormGuard"):
+        _record(namespace, name, "StormGuardReleased", "every suspect node is now cordoned",
+                conditions=[kube.condition("StormGuard", False, "SlotFree", "all suspect nodes cordoned")])
+    if status.get("phase") == "Containing":
+        waiting = bool(status.get("replacements"))
+        _record(namespace, name, "Contained",
+                "awaiting approval of node replacement" if waiting else "contained; no node to replace",
+                phase="AwaitingApproval" if waiting else "Contained",
+                conditions=[kube.condition("Contained", True, "Contained", "job and suspect nodes contained")])
+    sync(ref)
 
 
 def sync(ref: str) -> None:
@@ -185,6 +184,8 @@ def _open(namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
                f"{resume_text(plan)}{at_risk}")
 
     def change(status: dict[str, Any]) -> dict[str, Any]:
+        if status.get("phase"):
+            return {}  # opened meanwhile (a retry whose first write landed)
         return {"phase": "Containing", **plan,
                 "alarmCount": 1 + len(status.get("duplicates") or []),
                 "timeline": [{"time": kube.now(), "event": "Opened", "message": message}]

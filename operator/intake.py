@@ -5,41 +5,30 @@ match under the named job's key, is rejected before anything else is read or wri
 record, which names the job, is the only step before it). A rejection is logged with its reason,
 counted, reported as a Warning Event (on the operator's pod when it knows it, else on the alarm
 Event's involved pod) and touches nothing else.  The outcome is written to the alarm Event's
-``sdcguard.dev/intake`` annotation.
+``sdcguard.dev/intake`` annotation, and an Event that already carries one is not handled again
+(the record lives in the API, not in this process: another replica or a restart sees it too).
+Handling twice is harmless anyway: the incident's name is derived from the fault, and joining
+records each alarm Event once.
 """
 from __future__ import annotations
 
-import collections
 import logging
-import threading
 from typing import Any
 
 import kopf
+
+from sdcguard.contract import names
 
 from . import incident, metrics, signing, validate
 from .settings import Settings
 
 
-# Outcomes of Events handled by this process.  kopf records completion in the Event's annotations,
-# but an API server that reports no resourceVersion (the emulator) can deliver an Event again before
-# that patch is seen; this keeps a rejection from being counted and reported twice.
-_SEEN: collections.OrderedDict[str, str] = collections.OrderedDict()
-_SEEN_LIMIT = 10_000
-_seen_lock = threading.Lock()
-
-
 def handle(event: dict[str, Any], settings: Settings, logger: logging.Logger | logging.LoggerAdapter) -> str:
     """Process one alarm Event; returns the outcome ("incident:<name>", "joined:<name>", "rejected:<reason>")."""
-    key = event["metadata"].get("uid") or f"{event['metadata'].get('namespace')}/{event['metadata']['name']}"
-    with _seen_lock:
-        if key in _SEEN:
-            return _SEEN[key]
-    outcome = _handle(event, settings, logger)
-    with _seen_lock:
-        _SEEN[key] = outcome
-        while len(_SEEN) > _SEEN_LIMIT:
-            _SEEN.popitem(last=False)
-    return outcome
+    recorded = (event["metadata"].get("annotations") or {}).get(names.INTAKE_ANNOTATION)
+    if recorded:
+        return recorded
+    return _handle(event, settings, logger)
 
 
 def _handle(event: dict[str, Any], settings: Settings, logger: logging.Logger | logging.LoggerAdapter) -> str:

@@ -3,16 +3,24 @@
 Progress lives in the objects, never in memory: every step writes its outcome into the object's
 status (conditions + timeline) before the next step starts, so a restarted operator can tell
 "done" from "not yet".
+
+Writes use the API server's optimistic concurrency, not locks: a status update carries the
+``resourceVersion`` it was computed from, and a 409 Conflict (someone wrote in between: another
+handler of this process, another replica, a person) means "read again and recompute".  A claim
+(:func:`claim`) is the compare-and-swap the AWS calls are guarded by: it succeeds only if the
+object is still exactly as read.
 """
 from __future__ import annotations
 
 import datetime
 import os
+import socket
 import threading
-from collections import defaultdict
+import uuid
 from collections.abc import Callable
 from typing import Any
 
+import kopf
 import kubernetes
 
 from sdcguard.contract import names
@@ -22,8 +30,10 @@ GROUP_LABEL = "sagemaker.amazonaws.com/instance-group-name"
 
 _client: kubernetes.client.ApiClient | None = None
 _client_lock = threading.Lock()
-_object_locks: defaultdict[tuple[str, str | None, str], threading.Lock] = defaultdict(threading.Lock)
-_object_locks_guard = threading.Lock()
+CONFLICT_RETRIES = 8
+#: Who this process is, in records of intents (``attemptedBy``) and in the leader Lease: the pod
+#: name (downward API) plus a per-process suffix, so a restarted container is a new identity.
+IDENTITY = f"{os.environ.get('POD_NAME') or socket.gethostname()}-{uuid.uuid4().hex[:8]}"
 
 
 def api_client() -> kubernetes.client.ApiClient:
@@ -62,10 +72,12 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-def object_lock(kind: str, namespace: str | None, name: str) -> threading.Lock:
-    """Serialises read-modify-write of one object's status inside this (single, standalone) operator."""
-    with _object_locks_guard:
-        return _object_locks[(kind, namespace, name)]
+def transient(exc: BaseException) -> bool:
+    """An API answer worth retrying as it is: 429, 5xx, or no answer at all."""
+    if isinstance(exc, kubernetes.client.ApiException):
+        return exc.status in (0, 429) or (exc.status or 0) >= 500
+    import urllib3
+    return isinstance(exc, (urllib3.exceptions.HTTPError, OSError))
 
 
 def condition(type_: str, status: bool, reason: str, message: str) -> dict[str, str]:
@@ -91,30 +103,71 @@ def get_replacement(name: str) -> dict[str, Any]:
     return custom().get_cluster_custom_object(names.GROUP, names.VERSION, names.REPLACEMENTS, name)
 
 
+def _get(plural: str, namespace: str | None, name: str) -> dict[str, Any]:
+    if namespace:
+        return custom().get_namespaced_custom_object(names.GROUP, names.VERSION, namespace, plural, name)
+    return custom().get_cluster_custom_object(names.GROUP, names.VERSION, plural, name)
+
+
+def _patch_status(plural: str, namespace: str | None, name: str, resource_version: str | None,
+                  patch: dict[str, Any]) -> dict[str, Any]:
+    """Merge-patch the status, conditional on ``resource_version`` (409 if the object changed)."""
+    body: dict[str, Any] = {"status": patch}
+    if resource_version is not None:
+        body["metadata"] = {"resourceVersion": resource_version}
+    if namespace:
+        return custom().patch_namespaced_custom_object_status(names.GROUP, names.VERSION, namespace, plural,
+                                                              name, body)
+    return custom().patch_cluster_custom_object_status(names.GROUP, names.VERSION, plural, name, body)
+
+
 def update_status(plural: str, namespace: str | None, name: str,
                   change: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
-    """Read the object, compute a status patch from its current status, apply it (merge patch).
+    """Read the object, compute a status patch from its current status, apply it (merge patch)
+    conditional on the resourceVersion read; on 409, read again and recompute.
 
-    Under a per-object lock: merge patches replace lists whole and the emulator offers no
-    optimistic concurrency, so appends (timeline, alarms) are serialised here.  The operator runs
-    as a single standalone instance.
+    ``change`` must be a function of the status it is given (it may be called several times).
+    Merge patches replace lists whole, so appends (timeline, duplicates) are only safe this way.
     """
-    with object_lock(plural, namespace, name):
-        body = get_incident(namespace, name) if namespace else get_replacement(name)
+    for _ in range(CONFLICT_RETRIES):
+        body = _get(plural, namespace, name)
         patch = change(body.get("status") or {})
         if not patch:
             return body
-        if namespace:
-            return custom().patch_namespaced_custom_object_status(names.GROUP, names.VERSION, namespace, plural,
-                                                                  name, {"status": patch})
-        return custom().patch_cluster_custom_object_status(names.GROUP, names.VERSION, plural, name,
-                                                           {"status": patch})
+        try:
+            return _patch_status(plural, namespace, name, body["metadata"].get("resourceVersion"), patch)
+        except kubernetes.client.ApiException as exc:
+            if not conflict(exc):
+                raise
+    raise kopf.TemporaryError(f"{plural}/{name}: still conflicting after {CONFLICT_RETRIES} fresh reads", delay=1)
+
+
+def claim(plural: str, namespace: str | None, name: str, still: Callable[[dict[str, Any]], bool],
+          patch: dict[str, Any]) -> dict[str, Any] | None:
+    """Compare-and-swap: write ``patch`` only if ``still(status)`` holds for a fresh read *and*
+    nothing changes the object before the write lands.  Returns the new body, or None when the
+    object moved on (the caller re-reads and decides again; it must not act)."""
+    body = _get(plural, namespace, name)
+    if not still(body.get("status") or {}):
+        return None
+    try:
+        return _patch_status(plural, namespace, name, body["metadata"].get("resourceVersion"), patch)
+    except kubernetes.client.ApiException as exc:
+        if conflict(exc):
+            return None
+        raise
 
 
 def record(plural: str, namespace: str | None, name: str, event: str | None = None, message: str = "",
-           conditions: list[dict[str, str]] | None = None, **status: Any) -> dict[str, Any]:
-    """Write one transition into an object's status: fields, conditions and a timeline entry."""
+           conditions: list[dict[str, str]] | None = None, only_if: Callable[[dict[str, Any]], bool] | None = None,
+           **status: Any) -> dict[str, Any]:
+    """Write one transition into an object's status: fields, conditions and a timeline entry.
+
+    ``only_if(current status)``: write nothing unless it holds on the version the write is
+    conditional on (one-way transitions that two handlers may race to make are made once)."""
     def change(current: dict[str, Any]) -> dict[str, Any]:
+        if only_if is not None and not only_if(current):
+            return {}
         patch: dict[str, Any] = dict(status)
         if conditions:
             patch["conditions"] = merge_conditions(current.get("conditions", []), conditions)

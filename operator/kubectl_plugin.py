@@ -52,6 +52,28 @@ def decide(name: str, decision: str, reason: str) -> str:
     return f"nodereplacement {name} ({spec.get('nodeName')}) {decision.lower()} {decider(spec)}"
 
 
+def release(node: str, reason: str) -> str:
+    """Give the storm-guard slot of NODE's Failed NodeReplacement back (recorded: who, when, why)."""
+    items = json.loads(kubectl("get", names.REPLACEMENTS, "-o", "json")).get("items") or []
+    mine = [i for i in items if (i.get("spec") or {}).get("nodeName") == node]
+    failed = [i for i in mine if (i.get("status") or {}).get("phase") == "Failed"]
+    if not failed:
+        phases = ", ".join(f"{i['metadata']['name']}: {(i.get('status') or {}).get('phase')}" for i in mine)
+        raise PluginError(f"node {node} has no Failed NodeReplacement ({phases or 'none at all'}); only a failed "
+                          "replacement holds its slot until released (denied and replaced ones give it back)")
+    done = []
+    for item in failed:
+        if (item.get("spec") or {}).get("release"):
+            done.append(f"nodereplacement {item['metadata']['name']} was already released")
+            continue
+        stored = json.loads(kubectl("patch", names.REPLACEMENTS, item["metadata"]["name"], "--type=merge", "-p",
+                                    json.dumps({"spec": {"release": True, "releaseReason": reason}}), "-o", "json"))
+        by = (stored.get("spec") or {}).get("releasedBy") or "(not recorded: is the admission webhook installed?)"
+        done.append(f"nodereplacement {item['metadata']['name']} ({node}): storm-guard slot released by {by}; "
+                    "the node stays cordoned (kubectl uncordon it once you trust it)")
+    return "\n".join(done)
+
+
 def decider(spec: dict[str, Any]) -> str:
     """Who the API server says decided, from the stored object."""
     if not spec.get("decidedBy"):
@@ -149,12 +171,17 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(verb, help=f"{verb} a NodeReplacement (final)")
         p.add_argument("name")
         p.add_argument("--reason", default="", help="why (recorded in the status)")
+    p = sub.add_parser("release", help="give a Failed replacement's storm-guard slot back (recorded)")
+    p.add_argument("node")
+    p.add_argument("--reason", default="", help="why (recorded in the status)")
     sub.add_parser("incidents", help="list SDCIncidents")
     sub.add_parser("history", help="nodes and instances by number of incidents")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.command in ("approve", "deny"):
             print(decide(args.name, "Approved" if args.command == "approve" else "Denied", args.reason))
+        elif args.command == "release":
+            print(release(args.node, args.reason))
         elif args.command == "incidents":
             print(incidents_table())
         else:

@@ -16,6 +16,9 @@ NODES_CORDONED = prom.Counter("sdcguard_nodes_cordoned_total", "Nodes cordoned a
 STORM_GUARD_HOLDS = prom.Counter("sdcguard_storm_guard_holds_total",
                                  "Cordons held back because maxConcurrentSuspectNodes was reached")
 SUSPECT_NODES = prom.Gauge("sdcguard_suspect_nodes", "Nodes labelled sdcguard.dev/suspect=true (last count)")
+RELEASES = prom.Counter("sdcguard_storm_guard_releases_total",
+                        "Storm-guard slots of failed replacements released by a person (kubectl sdcguard release)")
+LEADER = prom.Gauge("sdcguard_leader", "1 while this replica holds the leader Lease and acts, else 0")
 REPLACEMENTS = prom.Counter("sdcguard_replacements_total", "NodeReplacement phase transitions, by phase", ["phase"])
 AWS_CALLS = prom.Counter("sdcguard_aws_calls_total", "SageMaker calls made, by operation", ["operation"])
 AWS_ERRORS = prom.Counter("sdcguard_aws_call_errors_total", "SageMaker call errors, by operation and code",

@@ -107,49 +107,88 @@ def changed_fields(spec: dict[str, Any], target: dict[str, Any]) -> list[str]:
 
 
 def reconcile(body: dict[str, Any], settings: Settings) -> None:
-    """Advance one NodeReplacement as far as it can go now."""
+    """Advance one NodeReplacement as far as it can go now.
+
+    No lock: kopf may run the timer and the decision handler of one object at once, and a second
+    replica may be finishing its last call.  Every write reads first and is conditional on what it
+    read, and every AWS call is preceded by a claim (:func:`_claim_attempt`) that only one caller
+    can win.
+    """
     name = body["metadata"]["name"]
-    with kube.object_lock("reconcile-replacement", None, name):
-        body = kube.get_replacement(name)
-        status = body.get("status") or {}
-        target = status.get("target") or _target_from_incidents(body)
-        if not target or status.get("phase") in TERMINAL:
-            return
-        status = {**status, "target": target}
-        changed = changed_fields(body.get("spec") or {}, target)
-        if changed and not (status.get("replace") or {}).get("requestedAt"):
-            # Once BatchReplaceClusterNodes was requested (for the recorded target), it is followed to its end.
-            shown = ", ".join(f"spec.{f}={(body.get('spec') or {}).get(f)!r} (recorded {target.get(f)!r})"
-                              for f in changed)
-            _phase(body, "Failed", "TargetChanged", f"the target changed after creation: {shown}; nothing is replaced",
-                   conditions=[kube.condition("Failed", True, "TargetChanged", shown)])
-            return
-        if not status.get("phase"):
-            status = _phase(body, "HealthCheck", "Opened", f"node {target['nodeName']}, instance "
-                            f"{target['instanceId']}, cluster {target['clusterName']}")
-        decision = approval.recorded(status)
-        wanted = approval.requested(body.get("spec") or {})
-        if decision is None and wanted == "Denied":
-            status = approval.record(name, body, "Denied")
-            decision = "Denied"
-        if decision == "Denied":
-            _deny(body, status)
-            return
-        if status["phase"] == "HealthCheck":
-            status = _health_check(body, status, settings)
-        if status["phase"] == "PendingApproval":
-            if decision is None and wanted == "Approved":
-                status = approval.record(name, body, "Approved")
-                decision = "Approved"
-            if decision == "Approved":
-                status = _replace(body, status, settings)
-        if status["phase"] == "Replacing":
-            _follow(body, status, settings)
+    body = kube.get_replacement(name)
+    status = body.get("status") or {}
+    target = status.get("target") or _target_from_incidents(body)
+    if not target or status.get("phase") in TERMINAL:
+        return
+    status = {**status, "target": target}
+    changed = changed_fields(body.get("spec") or {}, target)
+    if changed and not (status.get("replace") or {}).get("requestedAt"):
+        # Once BatchReplaceClusterNodes was requested (for the recorded target), it is followed to its end.
+        shown = ", ".join(f"spec.{f}={(body.get('spec') or {}).get(f)!r} (recorded {target.get(f)!r})"
+                          for f in changed)
+        _phase(body, "Failed", "TargetChanged", f"the target changed after creation: {shown}; nothing is replaced",
+               conditions=[kube.condition("Failed", True, "TargetChanged", shown)])
+        return
+    if not status.get("phase"):
+        status = _phase(body, "HealthCheck", "Opened", f"node {target['nodeName']}, instance "
+                        f"{target['instanceId']}, cluster {target['clusterName']}")
+    decision = approval.recorded(status)
+    wanted = approval.requested(body.get("spec") or {})
+    if decision is None and wanted == "Denied":
+        status = approval.record(name, body, "Denied")
+        decision = "Denied"
+    if decision == "Denied":
+        _deny(body, status, settings)
+        return
+    if status["phase"] == "HealthCheck":
+        status = _health_check(body, status, settings)
+    if status["phase"] == "PendingApproval":
+        if decision is None and wanted == "Approved":
+            status = approval.record(name, body, "Approved")
+            decision = "Approved"
+        if decision == "Approved":
+            status = _replace(body, status, settings)
+    if status["phase"] == "Replacing":
+        _follow(body, status, settings)
+
+
+def release(body: dict[str, Any], settings: Settings) -> None:
+    """``kubectl sdcguard release NODE``: a person gives a Failed replacement's storm-guard slot back.
+
+    The request is ``spec.release`` (who asked is recorded by admission in ``spec.releasedBy``,
+    as for decisions); the node stays cordoned (its hardware is still suspect: uncordon it
+    yourself once you trust it), loses the suspect label, and the slot is free for the next
+    incident.  Recorded once in ``status.released`` and the timeline.
+    """
+    name = body["metadata"]["name"]
+    body = kube.get_replacement(name)
+    spec, status = body.get("spec") or {}, body.get("status") or {}
+    if not spec.get("release") or status.get("released") or status.get("phase") != "Failed":
+        return
+    node = (status.get("target") or {}).get("nodeName") or spec.get("nodeName")
+    by = spec.get("releasedBy") or approval.UNATTRIBUTED
+    reason = spec.get("releaseReason") or ""
+    contain.release(node, settings, keep_cordoned=True)
+    message = f"{node}: storm-guard slot released by {by}" + (f": {reason}" if reason else "") + \
+        "; the node stays cordoned until you uncordon it"
+    kube.record(names.REPLACEMENTS, None, name, "Released", message,
+                released={"by": by, "groups": list(spec.get("releasedByGroups") or []), "reason": reason,
+                          "time": kube.now()})
+    metrics.RELEASES.inc()
 
 
 def _phase(body: dict[str, Any], phase: str, event: str, message: str, **fields: Any) -> dict[str, Any]:
+    """Move to ``phase`` once: if a concurrent handler got there first, nothing is written twice."""
     name = body["metadata"]["name"]
-    status = kube.record(names.REPLACEMENTS, None, name, event, message, phase=phase, **fields).get("status") or {}
+    moved: list[bool] = []
+
+    def only_if(current: dict[str, Any]) -> bool:
+        moved[:] = [current.get("phase") != phase and current.get("phase") not in TERMINAL]
+        return moved[0]
+    status = kube.record(names.REPLACEMENTS, None, name, event, message, only_if=only_if, phase=phase,
+                         **fields).get("status") or {}
+    if not moved or not moved[0]:
+        return status
     metrics.REPLACEMENTS.labels(phase).inc()
     from . import incident  # the incident module imports this one
     for ref in body["spec"].get("incidents") or []:
@@ -161,27 +200,68 @@ def _note(body: dict[str, Any], event: str | None, message: str, **fields: Any) 
     return kube.record(names.REPLACEMENTS, None, body["metadata"]["name"], event, message, **fields).get("status") or {}
 
 
-def _deny(body: dict[str, Any], status: dict[str, Any]) -> None:
+def _deny(body: dict[str, Any], status: dict[str, Any], settings: Settings) -> None:
     node = status["target"]["nodeName"]
-    if (status.get("replace") or {}).get("requestedAt"):
-        _note(body, "DenyTooLate", "BatchReplaceClusterNodes was already requested; the denial cannot undo it")
+    if (status.get("replace") or {}).get("requestedAt") or (status.get("replace") or {}).get("attemptedAt"):
+        if not any(e.get("event") == "DenyTooLate" for e in status.get("timeline") or []):
+            _note(body, "DenyTooLate", "BatchReplaceClusterNodes was already requested; the denial cannot undo it")
         return
-    released = contain.release(node)
+    released = contain.release(node, settings)
     _phase(body, "Denied", "Denied", f"{node} uncordoned and unlabelled" if released else f"{node} no longer exists")
 
 
-def _throttled(body: dict[str, Any], status: dict[str, Any], key: str, exc: hyperpod.AwsError,
+def _attempt(status: dict[str, Any], key: str, settings: Settings) -> str:
+    """Where the last attempt of an AWS action stands: "none" (never tried), "in-flight" (this
+    process is making it now, in another handler), or "unknown" (made by a process that is gone, or
+    that failed transiently: ask DescribeClusterNode whether it took effect before trying again)."""
+    state = status.get(key) or {}
+    if not state.get("attemptedAt"):
+        return "none"
+    if state.get("attemptedBy") == kube.IDENTITY and _age(state["attemptedAt"]) < settings.aws_call_seconds:
+        return "in-flight"
+    return "unknown"
+
+
+def _age(stamp: str) -> float:
+    import datetime
+    then = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    return (datetime.datetime.now(datetime.timezone.utc) - then).total_seconds()
+
+
+def _claim_attempt(body: dict[str, Any], key: str, seen: dict[str, Any]) -> None:
+    """Write the intent of a new attempt, conditional on the object being as last seen: of two
+    callers only one wins; the other gets a TemporaryError and reads again."""
+    previous = seen.get("attemptedAt")
+    attempts = int(seen.get("attempts", 0)) + 1
+    claimed = kube.claim(names.REPLACEMENTS, None, body["metadata"]["name"],
+                         lambda st: (st.get(key) or {}).get("attemptedAt") == previous
+                         and not (st.get(key) or {}).get("requestedAt"),
+                         {key: {"attemptedAt": kube.now(), "attemptedBy": kube.IDENTITY, "attempts": attempts}})
+    if claimed is None:
+        raise kopf.TemporaryError(f"{key}: the NodeReplacement changed meanwhile; reading it again", delay=0.5)
+
+
+def _transient(body: dict[str, Any], status: dict[str, Any], key: str, exc: hyperpod.AwsError,
                settings: Settings) -> None:
-    """Bounded backoff: count the attempt in status, then retry later or give up."""
-    attempts = int((status.get(key) or {}).get("throttled", 0)) + 1
-    if attempts > settings.max_throttle_retries:
-        _phase(body, "Failed", "GaveUp", f"{exc.operation} still failing after {attempts - 1} retries: {exc}",
-               conditions=[kube.condition("Failed", True, exc.code, str(exc))])
-        raise kopf.PermanentError(str(exc))
+    """A transient failure (throttling, 5xx, InternalServerError, timeout): the attempt is no longer
+    in flight, but may have taken effect; the next try asks DescribeClusterNode first."""
+    attempts = int((status.get(key) or {}).get("attempts", 0)) + 1
     delay = settings.backoff(attempts)
-    _note(body, "Throttled", f"{exc}; retry {attempts}/{settings.max_throttle_retries} in {delay:g}s",
-          **{key: {"throttled": attempts}})
+    _note(body, "Throttled", f"{exc}; attempt {attempts}/{settings.max_throttle_retries + 1}, checking "
+          f"DescribeClusterNode before retrying in {delay:g}s",
+          **{key: {"attemptedBy": None, "lastError": exc.code, "throttled": attempts}})
     raise kopf.TemporaryError(str(exc), delay=delay)
+
+
+def _gave_up(body: dict[str, Any], status: dict[str, Any], key: str, operation: str, settings: Settings) -> bool:
+    state = status.get(key) or {}
+    if int(state.get("attempts", 0)) <= settings.max_throttle_retries:
+        return False
+    error = state.get("lastError") or "Unknown"
+    _phase(body, "Failed", "GaveUp", f"{operation} still failing after {state.get('attempts')} attempts "
+           f"(last: {error}); DescribeClusterNode shows none took effect",
+           conditions=[kube.condition("Failed", True, str(error), f"{operation} gave up")])
+    return True
 
 
 def _health_check(body: dict[str, Any], status: dict[str, Any], settings: Settings) -> dict[str, Any]:
@@ -194,20 +274,29 @@ def _health_check(body: dict[str, Any], status: dict[str, Any], settings: Settin
         return _phase(body, "PendingApproval", "HealthCheckSkipped", "instance group unknown",
                       healthCheck={"result": "NotRun", "message": "instance group unknown"})
     if not check.get("requestedAt"):
-        if check.get("attemptedAt") and _describe_status(status, settings) == "DeepHealthCheckInProgress":
-            return _note(body, "HealthCheckRequested", "found in progress after a restart",
-                         healthCheck={"requestedAt": check["attemptedAt"], "sawInProgress": True})
-        _note(body, None, "", healthCheck={"attemptedAt": kube.now()})  # intent, before the call
+        where = _attempt(status, "healthCheck", settings)
+        if where == "in-flight":
+            raise kopf.TemporaryError("StartClusterHealthCheck in flight", delay=settings.retry_seconds)
+        if where == "unknown":
+            state = _describe_status(status, settings)
+            if state in ("DeepHealthCheckInProgress", "Failure"):
+                return _note(body, "HealthCheckRequested", f"the earlier attempt took effect ({state})",
+                             healthCheck={"requestedAt": check["attemptedAt"], "attemptedBy": None,
+                                          "sawInProgress": state == "DeepHealthCheckInProgress"})
+            if _gave_up(body, status, "healthCheck", "StartClusterHealthCheck", settings):
+                return {**status, "phase": "Failed"}
+        _claim_attempt(body, "healthCheck", check)  # intent, before the call
         try:
             hyperpod.start_health_check(settings, spec["clusterName"], spec["instanceGroup"], spec["instanceId"])
         except hyperpod.Throttled as exc:
-            _throttled(body, status, "healthCheck", exc, settings)
+            _transient(body, status, "healthCheck", exc, settings)
         except hyperpod.AwsError as exc:
             return _phase(body, "PendingApproval", "HealthCheckNotRun", str(exc),
-                          healthCheck={"result": "NotRun", "message": str(exc)})
+                          healthCheck={"result": "NotRun", "message": str(exc), "attemptedBy": None})
         return _note(body, "HealthCheckRequested", f"StartClusterHealthCheck {list(settings.deep_health_checks)} "
                      f"on {spec['instanceId']} (group {spec['instanceGroup']})",
-                     healthCheck={"requestedAt": kube.now(), "checks": list(settings.deep_health_checks)})
+                     healthCheck={"requestedAt": kube.now(), "attemptedBy": None,
+                                  "checks": list(settings.deep_health_checks)})
     try:
         details = hyperpod.describe_node(settings, spec["clusterName"], spec["instanceId"])
     except hyperpod.Throttled as exc:
@@ -240,31 +329,42 @@ def _describe_status(status: dict[str, Any], settings: Settings) -> str:
 
 
 def _replace(body: dict[str, Any], status: dict[str, Any], settings: Settings) -> dict[str, Any]:
-    """BatchReplaceClusterNodes exactly once: intent, call, outcome; a restart checks before calling."""
+    """BatchReplaceClusterNodes at most once: claim, call, outcome.  A transient error or a restart
+    asks DescribeClusterNode before calling again; a retry is made only if it shows that the
+    earlier attempt did not take effect."""
     spec = status["target"]
     replace = status.get("replace") or {}
     if replace.get("requestedAt"):
         return _phase(body, "Replacing", "ReplaceRequested", "resuming the follow-up")
-    if replace.get("attemptedAt") and _describe_status(status, settings) in REPLACING_STATUSES:
-        return _phase(body, "Replacing", "ReplaceRequested", "found replacing after a restart",
-                      replace={"requestedAt": replace["attemptedAt"], "recovered": True})
-    _note(body, None, "", replace={"attemptedAt": kube.now()})  # intent, before the call
+    where = _attempt(status, "replace", settings)
+    if where == "in-flight":
+        raise kopf.TemporaryError("BatchReplaceClusterNodes in flight", delay=settings.retry_seconds)
+    if where == "unknown":
+        if _describe_status(status, settings) in REPLACING_STATUSES:
+            return _phase(body, "Replacing", "ReplaceRequested", "the earlier attempt took effect",
+                          replace={"requestedAt": replace["attemptedAt"], "recovered": True, "attemptedBy": None})
+        if _gave_up(body, status, "replace", "BatchReplaceClusterNodes", settings):
+            return {**status, "phase": "Failed"}
+    _claim_attempt(body, "replace", replace)  # intent, before the call
     try:
         ok, code, message = hyperpod.replace(settings, spec["clusterName"], spec["instanceId"])
     except hyperpod.Throttled as exc:
-        _throttled(body, status, "replace", exc, settings)
+        _transient(body, status, "replace", exc, settings)
     except hyperpod.AwsError as exc:
         ok, code, message = False, exc.code, exc.message
     if ok:
         return _phase(body, "Replacing", "ReplaceRequested", f"BatchReplaceClusterNodes accepted {spec['instanceId']}",
-                      replace={"requestedAt": kube.now()})
+                      replace={"requestedAt": kube.now(), "attemptedBy": None})
+    if code in hyperpod.TRANSIENT_CODES:
+        _transient(body, status, "replace", hyperpod.Throttled("BatchReplaceClusterNodes", code, message), settings)
     if code in WAIT_CODES:
         waits = int(replace.get("waits", 0)) + 1
-        _note(body, "ReplaceWaiting", f"{code}: {message}; waiting", replace={"waits": waits, "lastError": code},
+        _note(body, "ReplaceWaiting", f"{code}: {message}; waiting",
+              replace={"waits": waits, "lastError": code, "attemptedAt": None, "attemptedBy": None, "attempts": 0},
               conditions=[kube.condition("ReplaceBlocked", True, code, message)])
         raise kopf.TemporaryError(f"{code}: {message}", delay=settings.backoff(waits))
     return _phase(body, "Failed", "ReplaceFailed", f"{code}: {message}",
-                  replace={"error": code, "message": message},
+                  replace={"error": code, "message": message, "attemptedBy": None},
                   conditions=[kube.condition("Failed", True, code, message)])
 
 
@@ -272,7 +372,7 @@ def _follow(body: dict[str, Any], status: dict[str, Any], settings: Settings) ->
     spec = status["target"]
     state = _describe_status(status, settings)
     if state == "NotFound":
-        contain.release(spec["nodeName"], keep_cordoned=True)
+        contain.release(spec["nodeName"], settings, keep_cordoned=True)
         _phase(body, "Replaced", "Replaced", f"instance {spec['instanceId']} terminated and replaced by fresh hardware",
                replace={"completedAt": kube.now()},
                conditions=[kube.condition("Replaced", True, "Replaced", "instance replaced")])

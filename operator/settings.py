@@ -39,6 +39,21 @@ class Settings:
     """SDCGUARD_MAX_THROTTLE_RETRIES: throttled attempts of one AWS action before giving up."""
     storm_guard_recheck_seconds: float = 60.0
     """SDCGUARD_STORM_GUARD_RECHECK_SECONDS: how often an incident held by the storm guard retries."""
+    aws_connect_timeout: float = 5.0
+    """SDCGUARD_AWS_CONNECT_TIMEOUT: seconds to connect to the SageMaker API."""
+    aws_read_timeout: float = 20.0
+    """SDCGUARD_AWS_READ_TIMEOUT: seconds to wait for a SageMaker answer; a call that times out
+    counts as transient (it may have taken effect: DescribeClusterNode is asked before a retry)."""
+    leader_election: bool = True
+    """SDCGUARD_LEADER_ELECTION (``sdcguard operator`` only): act only while holding the Lease
+    ``leader_lease`` in the operator's namespace; the webhooks are served either way."""
+    leader_lease: str = "sdcguard-operator"
+    """SDCGUARD_LEADER_LEASE: name of the coordination.k8s.io Lease."""
+    lease_seconds: float = 15.0
+    """SDCGUARD_LEASE_SECONDS: how long a Lease not renewed stays the holder's (followers wait this long)."""
+    renew_seconds: float = 10.0
+    """SDCGUARD_RENEW_SECONDS: the leader stops (exits) if it could not renew for this long; must
+    be shorter than the lease, so that it has stopped before anyone else may take over."""
     metrics_port: int = 8080
     """SDCGUARD_METRICS_PORT: Prometheus metrics port; 0 turns the endpoint off."""
     require_signed_alarms: bool = True
@@ -72,6 +87,12 @@ class Settings:
             retry_max_seconds=_float(env, "SDCGUARD_RETRY_MAX_SECONDS", 300.0),
             max_throttle_retries=_int(env, "SDCGUARD_MAX_THROTTLE_RETRIES", 8),
             storm_guard_recheck_seconds=_float(env, "SDCGUARD_STORM_GUARD_RECHECK_SECONDS", 60.0),
+            aws_connect_timeout=_float(env, "SDCGUARD_AWS_CONNECT_TIMEOUT", 5.0),
+            aws_read_timeout=_float(env, "SDCGUARD_AWS_READ_TIMEOUT", 20.0),
+            leader_election=_bool(env, "SDCGUARD_LEADER_ELECTION", True),
+            leader_lease=env.get("SDCGUARD_LEADER_LEASE") or "sdcguard-operator",
+            lease_seconds=_float(env, "SDCGUARD_LEASE_SECONDS", 15.0),
+            renew_seconds=_float(env, "SDCGUARD_RENEW_SECONDS", 10.0),
             metrics_port=_int(env, "SDCGUARD_METRICS_PORT", 8080),
             require_signed_alarms=_bool(env, "SDCGUARD_REQUIRE_SIGNED_ALARMS", True),
             operator_username=env.get("SDCGUARD_OPERATOR_USERNAME") or None,
@@ -82,7 +103,14 @@ class Settings:
             raise ValueError("SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES must be >= 0")
         if settings.poll_seconds <= 0 or settings.retry_seconds <= 0:
             raise ValueError("SDCGUARD_POLL_SECONDS and SDCGUARD_RETRY_SECONDS must be > 0")
+        if not 0 < settings.renew_seconds < settings.lease_seconds:
+            raise ValueError("SDCGUARD_RENEW_SECONDS must be > 0 and shorter than SDCGUARD_LEASE_SECONDS")
         return settings
+
+    @property
+    def aws_call_seconds(self) -> float:
+        """The longest one SageMaker call can be in flight (connect + read timeout, plus a margin)."""
+        return self.aws_connect_timeout + self.aws_read_timeout + 5.0
 
     def backoff(self, attempt: int) -> float:
         """Delay before retry number ``attempt`` (1-based): exponential, capped."""

@@ -18,13 +18,21 @@ that adds, server-side:
 * ``StartClusterHealthCheck``: the instance shows ``DeepHealthCheckInProgress`` in
   ``DescribeClusterNode`` for ``health_polls`` describes, then ``Running`` (pass) or ``Failure``.
 * ``BatchReplaceClusterNodes``: per-instance scripted outcomes, in order: ``ok``, ``throttle``
-  (a ``ThrottlingException``), ``in-use`` / ``not-found`` / ``bad-status`` (``Failed`` entries
-  ``InstanceIdInUse`` / ``InstanceIdNotFound`` / ``InvalidInstanceStatus``).  A successful replace
+  (a ``ThrottlingException``), ``in-use`` / ``not-found`` / ``bad-status`` / ``internal`` (``Failed``
+  entries ``InstanceIdInUse`` / ``InstanceIdNotFound`` / ``InvalidInstanceStatus`` /
+  ``InternalServerError``, none of which takes effect), ``ok-then-500`` (takes effect, then
+  answers ``InternalServerError``: the caller cannot tell from the answer).  A successful replace
   shows ``ShuttingDown`` for ``replace_polls`` describes, then the instance is gone from the cluster
   and a fresh instance joins its group.
 * The health check can be scripted to throttle too (``health_errors=["throttle"]``).
 * ``health_delay`` / ``replace_delay``: seconds to hold the answer after the call took effect, so
   a test can kill the caller while the call is in flight.
+
+* Random faults (``aws.chaos(rate, seed=...)``): a share of the HyperPod calls is answered with a
+  ``ThrottlingException`` (no effect), an ``InternalServerError`` (HTTP 500) before or *after* the
+  call took effect, or slowly (after the effect, ``slow`` seconds: longer than the caller's read
+  timeout, it times out).  ``DescribeClusterNode`` only throttles or answers slowly.  Every call
+  record says whether the call took effect (``effective``), which is what "exactly once" counts.
 
 Control and call records live under ``/_hyperpod/`` on the same port (JSON over HTTP).  moto's
 state is process-wide: endpoints started in one process share clusters, so use fresh instance ids
@@ -51,10 +59,17 @@ ACCOUNT = "123456789012"
 _LOCK = threading.RLock()
 
 
+class _ServerError(JsonRESTError):
+    code = 500
+
+
 class _State:
     """Scripted behaviour and call records, shared by the request threads of one server."""
 
     def __init__(self) -> None:
+        import random
+        self.chaos: dict[str, Any] = {"rate": 0.0, "slow": 3.0}
+        self.rng = random.Random()
         self.calls: list[dict[str, Any]] = []
         self.scripts: dict[str, dict[str, Any]] = {}
         self.progress: dict[str, dict[str, Any]] = {}  # instance id -> {"kind", "polls_left", "result"}
@@ -69,14 +84,41 @@ class _State:
 STATE = _State()
 
 
+def _fault(action: str) -> str | None:
+    """A random fault for this call (None, "throttle", "error-before", "error-after", "slow")."""
+    if STATE.chaos["rate"] <= 0 or STATE.rng.random() >= STATE.chaos["rate"]:
+        return None
+    kinds = ("throttle", "slow") if action == "DescribeClusterNode" else \
+        ("throttle", "error-before", "error-after", "slow")
+    return STATE.rng.choice(kinds)
+
+
 class HyperPodResponse(SageMakerResponse):
     """moto's SageMaker responses with the HyperPod node operations added."""
+
+    def _before(self, action: str, ids: list[str]) -> str | None:
+        """Apply a fault that strikes before the call takes effect; return the one that strikes after."""
+        fault = _fault(action)
+        if fault == "throttle":
+            self._record(action, ids, "ThrottlingException", effective=False)
+            raise JsonRESTError("ThrottlingException", "Rate exceeded")
+        if fault == "error-before":
+            self._record(action, ids, "InternalServerError", effective=False)
+            raise _ServerError("InternalServerError", "We encountered an internal error. Please try again.")
+        return fault
+
+    def _after(self, fault: str | None) -> None:
+        if fault == "error-after":
+            raise _ServerError("InternalServerError", "We encountered an internal error. Please try again.")
+        if fault == "slow":
+            time.sleep(STATE.chaos["slow"])
 
     def start_cluster_health_check(self) -> str:
         cluster = self._cluster(self._get_param("ClusterName"))
         configs = self._get_param("DeepHealthCheckConfigurations") or []
         ids = [i for c in configs for i in c.get("InstanceIds", [])]
         with _LOCK:
+            fault = self._before("StartClusterHealthCheck", ids)
             for instance_id in ids:
                 errors = STATE.script(instance_id)["health_errors"]
                 if errors:
@@ -95,9 +137,10 @@ class HyperPodResponse(SageMakerResponse):
                 cluster.nodes[instance_id].status = "DeepHealthCheckInProgress"
                 STATE.progress[instance_id] = {"kind": "health", "polls_left": script["health_polls"],
                                                "result": script["health"]}
-            self._record("StartClusterHealthCheck", ids, "ok", configs)
+            self._record("StartClusterHealthCheck", ids, "ok", configs, fault=fault)
             delay = max(STATE.script(i)["health_delay"] for i in ids) if ids else 0
         time.sleep(delay)  # the call took effect; the answer is slow (a crash window for the caller)
+        self._after(fault)
         return json.dumps({"ClusterArn": cluster.arn})
 
     def batch_replace_cluster_nodes(self) -> str:
@@ -105,11 +148,15 @@ class HyperPodResponse(SageMakerResponse):
         ids = self._get_param("NodeIds") or []
         successful, failed = [], []
         with _LOCK:
+            fault = self._before("BatchReplaceClusterNodes", ids)
             outcomes = {i: (STATE.script(i)["replace"].pop(0) if STATE.script(i)["replace"] else "ok") for i in ids}
             if "throttle" in outcomes.values():
                 self._record("BatchReplaceClusterNodes", ids, "ThrottlingException")
                 raise JsonRESTError("ThrottlingException", "Rate exceeded")
+            if "ok-then-500" in outcomes.values():
+                fault = "error-after"
             for instance_id, outcome in outcomes.items():
+                outcome = "ok" if outcome == "ok-then-500" else outcome
                 if instance_id not in cluster.nodes and outcome == "ok":
                     outcome = "not-found"
                 if outcome == "ok":
@@ -121,14 +168,16 @@ class HyperPodResponse(SageMakerResponse):
                     code, message = _REPLACE_ERRORS[outcome]
                     failed.append({"NodeId": instance_id, "ErrorCode": code, "Message": message.format(instance_id)})
             self._record("BatchReplaceClusterNodes", ids, "ok" if not failed else "failed",
-                         {"Successful": successful, "Failed": failed})
+                         {"Successful": successful, "Failed": failed}, effective=bool(successful), fault=fault)
             delay = max(STATE.script(i)["replace_delay"] for i in ids) if ids else 0
         time.sleep(delay)
+        self._after(fault)
         return json.dumps({"Successful": successful, "Failed": failed})
 
     def describe_cluster_node(self) -> Any:
         cluster_name, instance_id = self._get_param("ClusterName"), self._get_param("NodeId")
         with _LOCK:
+            fault = self._before("DescribeClusterNode", [instance_id])
             self._record("DescribeClusterNode", [instance_id], "ok")
             cluster = self._cluster(cluster_name)
             progress = STATE.progress.get(instance_id)
@@ -144,7 +193,9 @@ class HyperPodResponse(SageMakerResponse):
                     del STATE.progress[instance_id]
                     fresh = "i-" + secrets.token_hex(9)[:17]
                     cluster.nodes[fresh] = _node(cluster, fresh, node.instance_group_name)
-        return super().describe_cluster_node()
+        answer = super().describe_cluster_node()
+        self._after(fault)
+        return answer
 
     def list_cluster_nodes(self) -> Any:
         with _LOCK:
@@ -157,8 +208,10 @@ class HyperPodResponse(SageMakerResponse):
             raise JsonRESTError("ValidationException", f"Could not find cluster '{name}'.")
         return cluster
 
-    def _record(self, action: str, ids: list[str], outcome: str, detail: Any = None) -> None:
+    def _record(self, action: str, ids: list[str], outcome: str, detail: Any = None, *,
+                effective: bool | None = None, fault: str | None = None) -> None:
         STATE.calls.append({"action": action, "ids": list(ids), "outcome": outcome, "detail": detail,
+                            "effective": outcome == "ok" if effective is None else effective, "fault": fault,
                             "endpoint": self.headers.get("Host", "")})
 
 
@@ -166,6 +219,7 @@ _REPLACE_ERRORS = {
     "in-use": ("InstanceIdInUse", "Another operation is already in progress for node {}"),
     "not-found": ("InstanceIdNotFound", "Instance {} does not exist in the cluster"),
     "bad-status": ("InvalidInstanceStatus", "Instance {} is in a state that does not allow replacement"),
+    "internal": ("InternalServerError", "An internal error occurred replacing {}"),
 }
 
 
@@ -217,6 +271,11 @@ class _Control:
             elif path == "/_hyperpod/script":
                 STATE.script(body.pop("instance_id")).update(body)
                 answer = {"ok": True}
+            elif path == "/_hyperpod/chaos":
+                STATE.chaos.update({k: v for k, v in body.items() if k != "seed"})
+                if "seed" in body:
+                    STATE.rng.seed(body["seed"])
+                answer = dict(STATE.chaos)
             elif path == "/_hyperpod/nodes":
                 cluster = sagemaker_backends[ACCOUNT][body["region"]].clusters[body["name"]]
                 answer = {i: n.status for i, n in cluster.nodes.items()}
@@ -278,6 +337,11 @@ class RunningAWS:
     def script(self, instance_id: str, **behaviour: Any) -> None:
         """Set ``health`` ("pass"/"fail"), ``health_errors``, ``replace`` (list of outcomes), ``*_polls``."""
         self._post("/_hyperpod/script", {"instance_id": instance_id, **behaviour})
+
+    def chaos(self, rate: float, seed: int | None = None, slow: float | None = None) -> None:
+        """Random faults in a share ``rate`` of the HyperPod calls from now on (0 stops them)."""
+        self._post("/_hyperpod/chaos", {"rate": rate, **({"seed": seed} if seed is not None else {}),
+                                        **({"slow": slow} if slow is not None else {})})
 
     def calls(self, action: str | None = None, instance_id: str | None = None) -> list[dict[str, Any]]:
         """HyperPod calls received so far (read over HTTP), optionally filtered."""

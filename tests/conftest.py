@@ -80,6 +80,7 @@ class OperatorWorld:
                     "SDCGUARD_RETRY_SECONDS": "0.2", "SDCGUARD_RETRY_MAX_SECONDS": "1",
                     "SDCGUARD_STORM_GUARD_RECHECK_SECONDS": "0.5", "SDCGUARD_METRICS_PORT": str(self.metrics_port),
                     "SDCGUARD_WEBHOOK_PORT": str(self.webhook_port), "SDCGUARD_OPERATOR_USERNAME": OPERATOR_USER,
+                    "SDCGUARD_LEASE_SECONDS": "4", "SDCGUARD_RENEW_SECONDS": "3", "SDCGUARD_AWS_READ_TIMEOUT": "5",
                     **settings}
         self.operator_env = {**self.env, "KUBECONFIG": str(self.kube.add_user("operator", OPERATOR_USER))}
         self.admission_url = f"http://127.0.0.1:{self.webhook_port}/sdcguard-nodereplacement-admission"
@@ -105,6 +106,15 @@ class OperatorWorld:
                                      preexec_fn=_die_with_parent)
         if self.kube.emulator.webhooks:  # NodeReplacement writes fail (failurePolicy Fail) until it listens
             self.wait(lambda: _listening(self.webhook_port), timeout=60, what="the operator's admission webhook")
+
+    def spawn_operator(self, tag: str, **env: str) -> subprocess.Popen[bytes]:
+        """One more ``sdcguard operator`` replica (a second pod of the Deployment), logging to
+        ``operator-<tag>.log``; the caller kills it. Replicas share the metrics and webhook ports'
+        settings, so a later one serves neither: give it its own with ``env``."""
+        log = open(self.workdir / f"operator-{tag}.log", "ab")
+        return subprocess.Popen([str(pathlib.Path(sys.prefix) / "bin" / "sdcguard"), "operator"],
+                                env={**self.operator_env, **env}, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=_die_with_parent)
 
     def kill_operator(self) -> None:
         """SIGKILL: no graceful shutdown, exactly like a crashed pod."""

@@ -20,8 +20,9 @@ nodereplacements (cluster-scoped), both with the ``status`` subresource.
 
 Fixed here, server-side, because kmock 0.8 lacks them (see ../shared/TOOLING.md):
 ``watch=True`` recognised; create answers 201; ``metadata.generateName`` honoured; ``uid``,
-``creationTimestamp``, ``kind``, ``apiVersion`` filled in; a new ``resourceVersion`` on every change
-(a JSON-patch ``test`` of a stale one answers 422, as kopf expects); core discovery says ``v1``;
+``creationTimestamp``, ``kind``, ``apiVersion`` filled in; a new ``resourceVersion`` on every change,
+and optimistic concurrency on it: a patch carrying a stale ``metadata.resourceVersion`` answers
+409 Conflict (a JSON-patch ``test`` of a stale one answers 422, as kopf expects); core discovery says ``v1``;
 lists carry ``kind``/``apiVersion``; watch streams are served as JSON lines.
 Added: server-side printing (``kubectl get`` shows the printer columns of deploy/crds);
 equality field/label selectors on list and watch (``SELECTORS_HONOURED``); object requests
@@ -46,8 +47,11 @@ Added for sdcguard's approval model (server-side, like the API server's own part
   ..."), an allowed JSONPatch is applied before the object is stored, and an unreachable webhook
   fails the request (``failurePolicy: Fail``).
 
-Still not emulated: set-based selectors, resourceVersion preconditions of
-merge patches, watching from a resourceVersion, PUT, RBAC on ordinary requests, CRD validation
+Fault injection (``kube.inject(rate, users={...})``): a share of the requests of the named users
+is answered 500 / 409 / 429 or stalled for seconds, server-side, like an overloaded API server.
+``coordination.k8s.io/v1`` leases are served (leader election).
+
+Still not emulated: set-based selectors, watching from a resourceVersion, PUT, RBAC on ordinary requests, CRD validation
 (schemas, CEL rules), /status isolation (a status patch may change spec too).
 """
 from __future__ import annotations
@@ -88,6 +92,7 @@ RESOURCES: dict[str, tuple[str, bool, tuple[str, ...], tuple[str, ...]]] = {
     "kubeflow.org/v1/pytorchjobs": ("PyTorchJob", True, (), ("status",)),
     "sdcguard.dev/v1/sdcincidents": ("SDCIncident", True, ("sdci",), ("status",)),
     "sdcguard.dev/v1/nodereplacements": ("NodeReplacement", False, ("nrep",), ("status",)),
+    "coordination.k8s.io/v1/leases": ("Lease", True, (), ()),
 }
 
 
@@ -116,6 +121,46 @@ class _DirectDispatch(kmock.KubernetesScaffold):
                 payload = _table(payload, columns)
             return aiohttp.web.json_response(payload)
         return await super()._handle(request)
+
+
+@attrs.define(kw_only=True)
+class Faults:
+    """Server-side fault injection for requests made by some users (the operator), not the test's own.
+
+    Each request of a user in ``users`` is, with probability ``rate``, answered with one of
+    ``codes`` (500, 409, 429: the Status a real API server sends) or stalled for ``stall`` seconds
+    before being served (a slow or hung API server; the client's own timeouts apply).  ``counts``
+    says how many of each were injected.  ``rate = 0`` (the default) turns injection off.
+    """
+
+    rate: float = 0.0
+    users: set[str] = attrs.field(factory=set)
+    codes: tuple[int, ...] = (500, 409, 429)
+    stall_share: float = 0.25
+    """Share of the faults that are stalls rather than error answers."""
+    stall: tuple[float, float] = (1.0, 4.0)
+    seed: int | None = None
+    counts: dict[str, int] = attrs.field(factory=dict)
+    _rng: Any = attrs.field(default=None, init=False)
+
+    def pick(self, user: str) -> int | float | None:
+        """None: serve normally; an int: answer that status; a float: stall that many seconds."""
+        import random
+        if self.rate <= 0 or user not in self.users:
+            return None
+        if self._rng is None:
+            self._rng = random.Random(self.seed)
+        if self._rng.random() >= self.rate:
+            return None
+        if self._rng.random() < self.stall_share:
+            self.counts["stall"] = self.counts.get("stall", 0) + 1
+            return self._rng.uniform(*self.stall)
+        code = self._rng.choice(self.codes)
+        self.counts[str(code)] = self.counts.get(str(code), 0) + 1
+        return code
+
+
+_FAULT_REASONS = {500: "InternalError", 409: "Conflict", 429: "TooManyRequests"}
 
 
 SAR_PATH = "/apis/authorization.k8s.io/v1/subjectaccessreviews"
@@ -151,6 +196,11 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
     webhooks: dict[str, tuple[str, str]] = attrs.field(factory=dict, init=False)
     """"group/version/plural" -> (webhook name, URL) of a mutating admission webhook (failurePolicy Fail)."""
     admission_reviews: list[dict[str, Any]] = attrs.field(factory=list, init=False)
+    faults: Faults = attrs.field(factory=Faults, init=False)
+    """Server-side fault injection (``RunningEmulator.inject``)."""
+    conflicts: int = attrs.field(default=0, init=False)
+    """How many writes were refused with 409 for a stale ``metadata.resourceVersion`` (not injected)."""
+    _writes: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
 
     def user_of(self, request: rendering.Request) -> dict[str, Any]:
         headers = {k.lower(): v for k, v in request.headers.items()}
@@ -163,6 +213,19 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
         return copy.deepcopy(self.users.get(token, ANONYMOUS) if token else ANONYMOUS)
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        fault = self.faults.pick(self.user_of(request)["username"]) if self.faults.rate else None
+        if isinstance(fault, float):
+            await asyncio.sleep(fault)
+        elif isinstance(fault, int):
+            return _status(fault, _FAULT_REASONS.get(fault, "InternalError"), f"injected by the test ({fault})")
+        if request.resource is not None and request.action in (enums.action.CREATE, enums.action.UPDATE,
+                                                               enums.action.DELETE) \
+                and request.params.get("watch") not in ("True", "1", "true") and request.url.path != SAR_PATH:
+            async with self._writes:  # a precondition check and the write it guards are one step
+                return await self._handle_one(request)
+        return await self._handle_one(request)
+
+    async def _handle_one(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         refused = self.rejections.get((str(request.method.value).upper(), request.url.path))
         if refused is not None:
             return aiohttp.web.json_response(
@@ -170,6 +233,8 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
                  "reason": "Invalid", "message": "rejected by the test"}, status=refused)
         if request.url.path == SAR_PATH and str(request.method.value).upper() == "POST":
             return self._review_access(request)
+        if request.action == enums.action.UPDATE and request.resource is not None:
+            self._precondition(request)
         if request.resource is not None and request.subresource is None and \
                 request.action in (enums.action.CREATE, enums.action.UPDATE) and \
                 _path(request.resource) in self.webhooks:
@@ -269,18 +334,38 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
         return None
 
     def _bump_version(self, request: rendering.Request) -> None:
-        """A new resourceVersion per change; a JSON-patch ``test`` of a stale one answers 422 (kopf relies on it)."""
+        """A new resourceVersion per change.  Optimistic concurrency as the API server does it: a
+        merge/strategic patch carrying ``metadata.resourceVersion`` is refused with 409 Conflict
+        unless that is the stored version; a JSON-patch ``test`` of a stale one answers 422 (kopf
+        relies on it)."""
+        key = (request.resource, request.namespace, request.name)
+        stored = self._objects._objects.get(key)
+        current = (stored.raw.get("metadata") or {}).get("resourceVersion") if stored is not None \
+            and not stored.deleted else None
         version = str(next(self._versions))
         if isinstance(request.data, dict):
             request.data.setdefault("metadata", {})["resourceVersion"] = version
         elif isinstance(request.data, list):
-            key = (request.resource, request.namespace, request.name)
-            current = self._objects[key].get("metadata", {}).get("resourceVersion") if key in self._objects else None
             for op in request.data:
                 if op.get("op") == "test" and op.get("path") == "/metadata/resourceVersion" and op.get("value") != current:
                     raise kmock.KubernetesError(status=422, reason="Invalid",
                                                 message=f"resourceVersion {op.get('value')} is stale ({current})")
             request.data.append({"op": "add", "path": "/metadata/resourceVersion", "value": version})
+
+    def _precondition(self, request: rendering.Request) -> None:
+        """409 Conflict for a patch whose ``metadata.resourceVersion`` is not the stored one
+        (checked before admission, which may rewrite the patch)."""
+        if not isinstance(request.data, dict):
+            return
+        wanted = (request.data.get("metadata") or {}).get("resourceVersion")
+        stored = self._objects._objects.get((request.resource, request.namespace, request.name))
+        if wanted is None or stored is None or stored.deleted:
+            return
+        if str(wanted) != (stored.raw.get("metadata") or {}).get("resourceVersion"):
+            self.conflicts += 1
+            raise kmock.KubernetesError(status=409, reason="Conflict", message=(
+                f'Operation cannot be fulfilled on {request.resource.plural} "{request.name}": the object has '
+                "been modified; please apply your changes to the latest version and try again"))
 
     async def _stream_watch(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         """Serve a watch as newline-delimited JSON (kubectl -w refuses octet-stream)."""
@@ -464,6 +549,19 @@ class RunningEmulator:
     def reject(self, method: str, path: str, status: int) -> None:
         """Answer ``status`` to every ``METHOD path`` request from now on (server-side)."""
         self.emulator.rejections[(method.upper(), path)] = status
+
+    def inject(self, rate: float, users: set[str] | None = None, seed: int | None = None, **options: Any) -> Faults:
+        """Inject API faults (500/409/429 answers, stalls) into a share ``rate`` of the requests of
+        ``users`` from now on; ``inject(0)`` stops.  Returns the ``Faults`` (with its counts)."""
+        faults = self.emulator.faults
+        faults.rate = rate
+        if users is not None:
+            faults.users = set(users)
+        if seed is not None:
+            faults.seed, faults._rng = seed, None
+        for name, value in options.items():
+            setattr(faults, name, value)
+        return faults
 
     def add_user(self, token: str, username: str, groups: list[str] | None = None) -> pathlib.Path:
         """Authenticate ``token`` as ``username``; returns a kubeconfig for that user."""

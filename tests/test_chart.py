@@ -124,8 +124,27 @@ def test_webhook_configuration_matches_the_server_and_never_blocks_pods(rendered
     assert env["SDCGUARD_WEBHOOK_CERT_DIR"] in [m["mountPath"] for m in operator["volumeMounts"]]
     assert env["SDCGUARD_SIDECAR_IMAGE"] == "ghcr.io/sdcguard/sdcguard-agent:0.1.0"
     assert operator["livenessProbe"]["httpGet"]["port"] == "health" and operator["readinessProbe"]
-    assert operator["resources"]["requests"] and deployment["spec"]["replicas"] == 1
+    assert operator["resources"]["requests"] and deployment["spec"]["replicas"] == 2
     assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_two_replicas_elect_a_leader_and_one_alone_may_skip_it(rendered: dict[str, Any]) -> None:
+    [deployment] = by_kind(rendered["default"], "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    [operator] = pod["containers"]
+    env = {e["name"]: e.get("value") for e in operator["env"]}
+    assert deployment["spec"]["replicas"] == 2 and deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert operator["command"][:2] == ["sdcguard", "operator"] and env["SDCGUARD_LEADER_ELECTION"] == "true"
+    assert env["SDCGUARD_LEADER_LEASE"] == "sdcguard-operator"
+    assert int(env["SDCGUARD_RENEW_SECONDS"]) < int(env["SDCGUARD_LEASE_SECONDS"])
+    assert pod["affinity"]["podAntiAffinity"]  # not both replicas on one node
+    [binding] = [b for b in by_kind(rendered["default"], "RoleBinding") if b["roleRef"]["kind"] == "Role"]
+    assert binding["metadata"]["namespace"] == "sdcguard"
+    refused = helm("template", "x", str(CHART), "--set", "operator.leaderElection.enabled=false")
+    assert refused.returncode != 0 and "leaderElection" in refused.stderr
+    single = render(["--set", "operator.replicas=1", "--set", "operator.leaderElection.enabled=false"])
+    [deployment] = by_kind(single, "Deployment")
+    assert deployment["spec"]["replicas"] == 1
 
 
 def test_nodereplacement_webhook_fails_closed_on_the_main_resource_only(rendered: dict[str, Any]) -> None:
@@ -155,10 +174,12 @@ def test_alarm_keys_are_readable_only_where_alarms_are_accepted(rendered: dict[s
     assert [_granted(r) for r in keys] == [{("", "secrets", "get"), ("", "secrets", "create")}]
     [binding] = [b for b in by_kind(everywhere, "ClusterRoleBinding") if b["roleRef"]["name"] == "sdcguard-alarm-keys"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "sdcguard", "namespace": "sdcguard"}]
-    assert not by_kind(everywhere, "RoleBinding")
+    key_bindings = lambda docs: [b for b in by_kind(docs, "RoleBinding")  # noqa: E731
+                                 if b["roleRef"]["name"] == "sdcguard-alarm-keys"]
+    assert not key_bindings(everywhere)
     scoped = rendered["irsa-cert-manager-monitors"]  # operator.namespaces={ml,research}
     assert not [b for b in by_kind(scoped, "ClusterRoleBinding") if b["roleRef"]["name"] == "sdcguard-alarm-keys"]
-    bindings = by_kind(scoped, "RoleBinding")
+    bindings = key_bindings(scoped)
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ml", "research"]
     assert all(b["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                                 "name": "sdcguard-alarm-keys"} for b in bindings)
@@ -255,6 +276,8 @@ def test_every_granted_verb_is_justified_in_the_chart_readme(rendered: dict[str,
     operator_role, approver_role = roles["sdcguard-operator"], roles["sdcguard-approver"]
     assert _granted(operator_role) == _readme_rbac_table("grants exactly these verbs")
     assert _granted(roles["sdcguard-alarm-keys"]) == _readme_rbac_table("it grants:")
+    [own] = [r for r in by_kind(rendered["default"], "Role") if r["metadata"]["name"] == "sdcguard-operator"]
+    assert _granted(own) == _readme_rbac_table("need to take turns safely:")
     assert _granted(approver_role) == _readme_rbac_table("ClusterRole (`approver.create`) is for people:")
     for role in (operator_role, roles["sdcguard-alarm-keys"]):
         assert not any(v in ("delete", "update", "*") for _, _, v in _granted(role))
