@@ -2,11 +2,12 @@
 
     .venv/bin/python bench/overhead.py [--rounds 5] [--window 100] [--ranks 3] [--slice 10]
 
-Launches 3 gloo ranks (one thread each) training bench/gpt.py's TinyGPT. Five configurations,
+Launches 3 gloo ranks (one thread each) training bench/gpt.py's TinyGPT. Six configurations,
 each on its own DDP replica: plain DDP; plain DDP plus one 16-byte all-reduce between backward and
 update (no check: the price of the one synchronisation that lets ranks agree before the update,
 which checks 1a/1b need); sdcguard with checks 1 and 3 only (weight check every 100); audits
-every 100; audits every 10. A round trains every configuration for the same window
+every 100; audits every 10 (all three through ``train_step``); audits every 10 through the
+user's-loop API ``guard.step`` (what the API itself costs, against the row above it). A round trains every configuration for the same window
 of steps (whole audit periods, so audit steps are counted, not hidden by a median), interleaved
 slice by slice (`--slice` steps of each in turn, 10 by default; with 1 every step starts with
 caches full of another replica, as with a model too big for them), so that a burst of noise from a neighbour on this
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-AUDIT_EVERY = {"audit every 100": 100, "audit every 10": 10}
+AUDIT_EVERY = {"audit every 100": 100, "audit every 10": 10, "step API, audit every 10": 10}
 SYNC_ONLY = "plain + one 16 B sync"
 
 
@@ -72,6 +73,18 @@ def worker(out: str, rounds: int, window: int, slice_steps: int) -> None:
         opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
         guard = sdcguard.Guard(ddp, opt, lm_loss, config=sdcguard.Config(audit_every=audit, weight_check_every=weights))
         configs[name] = lambda step, g=guard: g.train_step(step, lm_batch(step, rank))
+    # The same as "audit every 10" through the user's-loop API (guard.step): what the API itself costs.
+    module, ddp, _ = replica()
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    guard = sdcguard.Guard(ddp, opt, lm_loss, config=sdcguard.Config(audit_every=10, weight_check_every=100))
+
+    def step_api(step, g=guard, o=opt):
+        with g.step(step) as s:
+            s.backward(lm_batch(step, rank))
+            s.check()
+            o.step()
+            o.zero_grad(set_to_none=True)
+    configs["step API, audit every 10"] = step_api
 
     bare, _, _ = replica()
 
