@@ -12,7 +12,9 @@ An enabled pod gets: the ``sdcguard-sidecar`` container (a native sidecar: an in
 ``restartPolicy: Always``, so it stops when training ends and the pod can complete), the spool
 ``emptyDir`` mounted in every container, the downward-API ``POD_NAME`` / ``POD_NAMESPACE`` /
 ``NODE_NAME``, the job identity (``SDCGUARD_JOB_NAME`` / ``SDCGUARD_JOB_KIND``), and
-``SDCGUARD_AUDIT_EVERY`` / ``SDCGUARD_WEIGHT_CHECK_EVERY`` from the annotations, and — in the
+``SDCGUARD_AUDIT_EVERY`` / ``SDCGUARD_WEIGHT_CHECK_EVERY`` from the annotations, a
+``terminationGracePeriodSeconds`` of at least ``SDCGUARD_SIDECAR_GRACE_SECONDS`` (90; passed to
+the sidecar as ``--grace-period``, so it keeps publishing while the pod ends), and — in the
 sidecar container only — the job's alarm-signing key Secret ``sdcguard-alarm-key-<job>`` (SPEC §4;
 ``optional``, so a pod whose key the operator has not written yet still starts, and the sidecar
 holds its records until the kubelet has put the key there). A bad value is a
@@ -63,6 +65,10 @@ class SidecarSettings:
     cpu_request: str = "10m"
     memory_request: str = "48Mi"
     memory_limit: str = "128Mi"
+    grace_seconds: int = 90
+    """The pod's terminationGracePeriodSeconds is raised to at least this (never lowered): the
+    training process waits up to 30 s for the sidecar to confirm an alarm, and the sidecar then
+    keeps publishing through the rest of the grace period."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "SidecarSettings":
@@ -72,6 +78,8 @@ class SidecarSettings:
         values: dict[str, Any] = {k: env[v] for k, v in names.items() if env.get(v)}
         if env.get("SDCGUARD_SIDECAR_METRICS_PORT"):
             values["metrics_port"] = int(env["SDCGUARD_SIDECAR_METRICS_PORT"])
+        if env.get("SDCGUARD_SIDECAR_GRACE_SECONDS"):
+            values["grace_seconds"] = int(env["SDCGUARD_SIDECAR_GRACE_SECONDS"])
         return cls(**values)
 
 
@@ -112,6 +120,8 @@ def inject(pod: dict[str, Any], *, how: Plan, sidecar: SidecarSettings) -> None:
     meta = pod.setdefault("metadata", {})
     meta.setdefault("labels", {})[names.INJECTED_LABEL] = "true"
     spec = pod.setdefault("spec", {})
+    grace = max(int(spec.get("terminationGracePeriodSeconds") or 30), sidecar.grace_seconds)
+    spec["terminationGracePeriodSeconds"] = grace
     volumes = spec.setdefault("volumes", [])
     if not any(v.get("name") == names.SPOOL_VOLUME for v in volumes):
         volumes.append({"name": names.SPOOL_VOLUME, "emptyDir": {}})
@@ -132,7 +142,7 @@ def inject(pod: dict[str, Any], *, how: Plan, sidecar: SidecarSettings) -> None:
         if any(m.get("name") == names.ALARM_KEY_VOLUME for m in container.get("volumeMounts") or []):
             container["volumeMounts"] = [m for m in container["volumeMounts"] if m.get("name") != names.ALARM_KEY_VOLUME]
     inits = spec.setdefault("initContainers", [])
-    wanted = _sidecar_container(sidecar)
+    wanted = _sidecar_container(sidecar, grace)
     for i, container in enumerate(inits):
         if container.get("name") == names.SIDECAR_CONTAINER:
             inits[i] = wanted
@@ -204,14 +214,14 @@ def _ensure_mount(container: dict[str, Any]) -> None:
         mounts.append({"name": names.SPOOL_VOLUME, "mountPath": names.SPOOL_PATH})
 
 
-def _sidecar_container(s: SidecarSettings) -> dict[str, Any]:
+def _sidecar_container(s: SidecarSettings, grace: int) -> dict[str, Any]:
     return {
         "name": names.SIDECAR_CONTAINER,
         "image": s.image,
         "imagePullPolicy": s.pull_policy,
         "restartPolicy": "Always",
         "args": ["sidecar", "--spool", names.SPOOL_PATH, "--metrics-port", str(s.metrics_port),
-                 "--key-file", names.ALARM_KEY_FILE],
+                 "--key-file", names.ALARM_KEY_FILE, "--grace-period", str(grace)],
         "env": _downward_api() + [{"name": names.ENV_SPOOL, "value": names.SPOOL_PATH}],
         "ports": [{"name": names.SIDECAR_METRICS_PORT_NAME, "containerPort": s.metrics_port, "protocol": "TCP"}],
         "volumeMounts": [{"name": names.SPOOL_VOLUME, "mountPath": names.SPOOL_PATH},

@@ -390,3 +390,58 @@ def test_sidecar_never_imports_torch() -> None:
             "print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+TRAINING_EXIT = """
+import sys
+from sdcguard.contract import spool
+spool_dir, alarm_id, record = sys.argv[1], sys.argv[2], __import__("json").loads(sys.argv[3])
+spool.write_alarm(spool_dir, record)
+ok = spool.wait_published(spool_dir, alarm_id, timeout=float(sys.argv[4]))
+print("published" if ok else "not-confirmed")
+sys.exit(3)  # the SDCDetected exception leaves the training process either way
+"""
+
+
+def test_an_alarm_raised_while_the_api_server_is_down_is_published_during_the_grace_period(
+        kube: Any, tmp_path: Path) -> None:
+    """The training process raises, waits (bounded) for the confirmation, exits; the pod ends
+    (SIGTERM to the sidecar) while the API server is still down; it comes back within the grace
+    period and the sidecar publishes the record before it stops."""
+    spool_dir = tmp_path / "spool"
+    port = free_port()
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{port}")
+    sidecar = Sidecar(spool_dir, kubeconfig, None, "--grace-period", "20")
+    alarm_id = "job9-replay-step7"
+    rec = record(alarm_id, namespace="grace", step=7)
+    training = subprocess.run([sys.executable, "-c", TRAINING_EXIT, str(spool_dir), alarm_id, json.dumps(rec), "1.5"],
+                              capture_output=True, text=True, timeout=60)
+    assert training.returncode == 3 and training.stdout.strip() == "not-confirmed", training.stderr
+    assert spool.state(spool_dir, alarm_id) == "pending"
+    sidecar.proc.send_signal(signal.SIGTERM)  # the pod is ending; the API server is still down
+    time.sleep(3)
+    assert sidecar.proc.poll() is None  # still trying, within the grace period
+    proxy = TcpProxy(port, ("127.0.0.1", int(kube.url.rsplit(":", 1)[1])))
+    try:
+        assert sidecar.proc.wait(20) == 0
+        assert spool.published(spool_dir, alarm_id) and spool.state(spool_dir, alarm_id) == "published"
+        assert [e.metadata.name for e in alarm_events(kube, "grace")] == [events.event_name(alarm_id)]
+        assert "spool empty; stopping" in sidecar.output()
+        # The confirmation the library waits for is there now: a second wait returns at once.
+        assert spool.wait_published(spool_dir, alarm_id, timeout=0)
+    finally:
+        proxy.close()
+
+
+def test_wait_published_is_bounded_and_gives_up_early_on_a_quarantined_record(tmp_path: Path) -> None:
+    spool_dir = tmp_path / "spool"
+    spool.write_alarm(spool_dir, record("job9-replay-step8", namespace="x", step=8))
+    clock = [0.0]
+    assert not spool.wait_published(spool_dir, "job9-replay-step8", timeout=5, clock=lambda: clock[0],
+                                    sleep=lambda s: clock.__setitem__(0, clock[0] + s))
+    assert clock[0] == pytest.approx(5.0)
+    (spool_dir / "quarantine").mkdir()
+    spool.alarm_path(spool_dir, "job9-replay-step8").rename(spool_dir / "quarantine" / "job9-replay-step8.alarm.json")
+    assert spool.state(spool_dir, "job9-replay-step8") == "quarantined"
+    assert not spool.wait_published(spool_dir, "job9-replay-step8", timeout=3600)  # at once
+    assert spool.state(spool_dir, "never-written") == "missing"

@@ -3,17 +3,32 @@
 The training process never talks to the Kubernetes API (SPEC §4). It writes each record
 atomically — a temporary file in the same directory, fsync, then rename — so the sidecar only
 ever sees whole records. Standard library only.
+
+Confirmation of publication (the contract between the library and the sidecar): the sidecar moves
+a record to ``<spool>/published/`` only after the Kubernetes Event for it exists (created, or
+found already there), and to ``<spool>/quarantine/`` when the API server refused it for good.
+The training process, after :func:`write_alarm`, calls :func:`wait_published` (bounded) before its
+exception leaves: True means the alarm is in the API and may leave with the pod; False means it
+is still in the spool (the sidecar keeps trying through the pod's termination grace period).
 """
 from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from . import alarm as _alarm
 
 ALARM_SUFFIX = ".alarm.json"
+PUBLISHED_DIR = "published"
+"""Where the sidecar moves a record once its Event exists (the confirmation marker)."""
+QUARANTINE_DIR = "quarantine"
+"""Where the sidecar moves a record it can never publish (corrupt, or refused by the API server)."""
+PUBLISH_WAIT_SECONDS = 30.0
+"""The library's default bound on :func:`wait_published` (tens of seconds: the sidecar retries
+with a backoff of at most 30 s, and the pod's grace period must cover this wait plus the sidecar's)."""
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -65,3 +80,45 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _landed(spool: str | os.PathLike[str], subdir: str, alarm_id: str) -> bool:
+    name = alarm_path(spool, alarm_id).name
+    folder = Path(spool) / subdir
+    # A record published twice (e.g. rewritten after a restart) is kept as name.<ns> beside the first.
+    return (folder / name).exists() or (folder.is_dir() and any(p.name.startswith(name + ".")
+                                                                 for p in folder.iterdir()))
+
+
+def published(spool: str | os.PathLike[str], alarm_id: str) -> bool:
+    """True once the sidecar has confirmed that the Event for this alarm exists in the API."""
+    return _landed(spool, PUBLISHED_DIR, alarm_id)
+
+
+def state(spool: str | os.PathLike[str], alarm_id: str) -> str:
+    """"published", "quarantined" (never publishable: waiting longer does not help), "pending"
+    (in the spool, not yet published) or "missing" (never written here)."""
+    if published(spool, alarm_id):
+        return "published"
+    if _landed(spool, QUARANTINE_DIR, alarm_id):
+        return "quarantined"
+    return "pending" if alarm_path(spool, alarm_id).exists() else "missing"
+
+
+def wait_published(spool: str | os.PathLike[str], alarm_id: str, timeout: float = PUBLISH_WAIT_SECONDS,
+                   poll: float = 0.2, clock: Callable[[], float] = time.monotonic,
+                   sleep: Callable[[float], None] = time.sleep) -> bool:
+    """Wait up to ``timeout`` seconds for the sidecar's confirmation; True if published.
+
+    Returns early (False) when the record was quarantined or is not in the spool at all: nothing
+    will ever confirm it.  Never raises for a slow or absent sidecar: the caller raises its own
+    exception either way, and logs that the alarm may not have reached the API if this is False.
+    """
+    deadline = clock() + max(0.0, timeout)
+    while True:
+        now_state = state(spool, alarm_id)
+        if now_state == "published":
+            return True
+        if now_state in ("quarantined", "missing") or clock() >= deadline:
+            return False
+        sleep(min(poll, max(0.0, deadline - clock())))

@@ -44,8 +44,11 @@ from .signing import AlarmKey
 
 log = logging.getLogger("sdcguard.sidecar")
 
-PUBLISHED_DIR = "published"
-QUARANTINE_DIR = "quarantine"
+PUBLISHED_DIR = spool.PUBLISHED_DIR  # the confirmation the library waits for (contract/spool.py)
+QUARANTINE_DIR = spool.QUARANTINE_DIR
+GRACE_MARGIN = 3.0
+"""Seconds of the pod's termination grace period left unused, so the sidecar exits on its own
+(logging what it could not publish) before the kubelet's SIGKILL."""
 
 
 class PublishError(Exception):
@@ -228,7 +231,9 @@ class Backoff:
 def run(publisher: Publisher, health: HealthState, stop: threading.Event, poll: float,
         backoff: Backoff, drain: float) -> None:
     """Publish until ``stop``; then keep trying for ``drain`` seconds to empty the spool (the
-    training container may have written its last alarm just before the pod was stopped)."""
+    training container may have written its last alarm just before the pod was stopped, while the
+    API server was down): the pod's termination grace period, less a margin, when the webhook
+    passed ``--grace-period``. It returns as soon as the spool is empty."""
     while not stop.is_set():
         ok = _guarded_pass(publisher)
         health.tick()
@@ -236,12 +241,17 @@ def run(publisher: Publisher, health: HealthState, stop: threading.Event, poll: 
             backoff.reset()
         stop.wait(poll if ok else backoff.next())
     deadline = time.monotonic() + drain
+    if publisher.backlog():
+        log.warning("sdcguard sidecar: stopping; %d record(s) still to publish, trying for up to %.0fs",
+                    publisher.backlog(), drain)
     while True:
         ok = _guarded_pass(publisher)
         left = publisher.backlog()
         if (ok and left == 0) or time.monotonic() >= deadline:
             if left:
                 log.error("sdcguard sidecar: stopping with %d unpublished record(s) in the spool", left)
+            elif drain:
+                log.info("sdcguard sidecar: spool empty; stopping")
             return
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
@@ -277,7 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--settle", type=float, default=2.0,
                    help="seconds a file that does not parse may keep changing before it is quarantined")
     p.add_argument("--drain", type=float, default=20.0,
-                   help="on SIGTERM, seconds to keep trying to publish what is left")
+                   help="on SIGTERM, seconds to keep trying to publish what is left (see --grace-period)")
+    p.add_argument("--grace-period", type=float, default=None,
+                   help="the pod's terminationGracePeriodSeconds (the webhook passes it): on SIGTERM keep "
+                   f"publishing until the spool is empty or this less {GRACE_MARGIN:g}s has passed; wins over --drain")
     p.add_argument("--log-level", default=env.get("SDCGUARD_LOG_LEVEL", "INFO"))
     p.add_argument("--log-format", choices=("json", "plain"), default=env.get("SDCGUARD_LOG_FORMAT", "json"),
                    help="json: one object per line (time, level, logger, message) for log pipelines")
@@ -319,6 +332,7 @@ def main(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     log.info("sdcguard sidecar: watching %s, metrics on %s:%d", spool_dir, args.metrics_host, server.server_port)
-    run(publisher, health, stop, args.poll_interval, Backoff(args.backoff_initial, args.backoff_max), args.drain)
+    drain = max(1.0, args.grace_period - GRACE_MARGIN) if args.grace_period is not None else args.drain
+    run(publisher, health, stop, args.poll_interval, Backoff(args.backoff_initial, args.backoff_max), drain)
     server.shutdown()
     return 0
