@@ -64,6 +64,12 @@ class Config:
     hardware): ``"raise"`` :class:`~sdcguard.errors.NonFiniteGradient` on every rank, or
     ``"skip"`` the step (its gradients are dropped; counted and logged)."""
 
+    publish_wait_seconds: float | None = None
+    """After an alarm, how long the reporting rank waits for the sidecar to confirm that the
+    Event exists before the exception leaves (every rank waits with it, so the job does not end
+    first and take the record with its pod). None: ``spool.PUBLISH_WAIT_SECONDS`` inside a
+    Kubernetes job with a spool (a sidecar is there), 0 elsewhere."""
+
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form settings kept for the record (e.g. the drill's fault list)."""
 
@@ -78,6 +84,12 @@ class Config:
             raise ValueError(f"ranks_per_node must be an integer >= 1, got {self.ranks_per_node!r}")
         if self.on_nonfinite not in NONFINITE_ACTIONS:
             raise ValueError(f"on_nonfinite must be one of {NONFINITE_ACTIONS}, got {self.on_nonfinite!r}")
+
+    def publish_wait(self) -> float:
+        if self.publish_wait_seconds is not None:
+            return max(0.0, float(self.publish_wait_seconds))
+        from .contract.spool import PUBLISH_WAIT_SECONDS
+        return PUBLISH_WAIT_SECONDS if self.job is not None and self.spool else 0.0
 
     def audits_checkpoints(self) -> bool:
         return bool(self.checkpoint_every and self.audit_checkpoints)

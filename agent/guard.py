@@ -484,10 +484,17 @@ class Guard:
             evidence=verdict.evidence,
             **fields,
         )
+        wait = self.config.publish_wait() if self.config.spool else 0.0
         if topo.rank == reporter:
             log.error("sdcguard alarm: %s", SDCDetected(alarm=record))
             if self.config.spool:
                 spool.write_alarm(self.config.spool, record)
+                if wait and not spool.wait_published(self.config.spool, record["id"], timeout=wait):
+                    log.error("sdcguard: the sidecar has not confirmed alarm %s within %.0f s (%s); it stays in "
+                              "the spool %s and the sidecar keeps trying while the pod terminates",
+                              record["id"], wait, spool.state(self.config.spool, record["id"]), self.config.spool)
+        if wait and not self.solo:
+            dist.barrier(group=self.group)  # no rank leaves (and ends the job) before the reporter's wait
         self.stats.alarms += 1
         self.stats.flush(self.config.spool, force=True)
         return record

@@ -220,3 +220,50 @@ def test_a_resumed_guard_knows_the_checkpoints_before_its_own(tmp_path):
     _, _, older = make()
     assert older.load_checkpoint(tmp_path / "b.pt") == 2
     assert older.checkpoints == [(2, str(tmp_path / "b.pt"))]  # a.pt no longer holds step 0
+
+
+def test_an_alarm_waits_for_the_sidecars_confirmation(tmp_path):
+    # The exception must not leave (and end the pod, spool and all) before the sidecar confirms
+    # that the Event exists: here a stand-in sidecar moves the record to published/ after 0.5 s.
+    import threading
+    import time
+
+    from sdcguard.checks.verdict import Verdict
+    from sdcguard.contract import spool
+
+    job = {"kind": "PyTorchJob", "name": "llm", "namespace": "ml"}
+    _, _, guard = make(spool=str(tmp_path), job=job)
+    assert guard.config.publish_wait() == spool.PUBLISH_WAIT_SECONDS
+
+    def sidecar():
+        while not spool.list_alarms(tmp_path):
+            time.sleep(0.05)
+        time.sleep(0.5)
+        [record] = spool.list_alarms(tmp_path)
+        (tmp_path / spool.PUBLISHED_DIR).mkdir(exist_ok=True)
+        record.rename(tmp_path / spool.PUBLISHED_DIR / record.name)
+
+    thread = threading.Thread(target=sidecar)
+    thread.start()
+    started = time.monotonic()
+    with pytest.raises(sdcguard.SDCDetected) as err:
+        guard._raise_if(3, Verdict("weights", suspects=[0]))
+    thread.join()
+    assert time.monotonic() - started >= 0.5
+    assert spool.published(tmp_path, err.value.alarm["id"])
+
+
+def test_an_unconfirmed_alarm_is_raised_after_the_bound(tmp_path):
+    import time
+
+    from sdcguard.checks.verdict import Verdict
+
+    _, _, guard = make(spool=str(tmp_path), job={"kind": "PyTorchJob", "name": "llm", "namespace": "ml"},
+                       publish_wait_seconds=0.3)
+    started = time.monotonic()
+    with pytest.raises(sdcguard.SDCDetected):
+        guard._raise_if(3, Verdict("weights", suspects=[0]))
+    assert 0.3 <= time.monotonic() - started < 5
+    # outside a Kubernetes job (no sidecar) nothing waits
+    _, _, local = make(spool=str(tmp_path))
+    assert local.config.publish_wait() == 0.0
