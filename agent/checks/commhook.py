@@ -45,7 +45,8 @@ class GradientRecorder:
     ) -> None:
         # Settings.
         self.inner_hook: ReduceHook = inner_hook or allreduce_mean
-        self.inner_state = inner_state if inner_hook else process_group
+        # A hook given without state gets the process group, as DDP's default hooks expect.
+        self.inner_state = inner_state if inner_hook is not None and inner_state is not None else process_group
         self.param_index = {id(p): i for i, p in enumerate(parameters)}
         self.weights = ChecksumWeights(seed)
         self.checks_reduction = bool(getattr(self.inner_hook, "averages_like_ddp", False))
