@@ -18,7 +18,6 @@ from .settings import Settings
 
 SETTINGS = Settings.from_env()
 ALARM_FILTER = dict(field="reason", value=names.EVENT_REASON)
-KEY_RECHECK_SECONDS = 60.0
 
 
 def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
@@ -53,7 +52,8 @@ def job_alarm_key_recheck(body: kopf.Body, logger: logging.Logger, **_: Any) -> 
 
 
 def alarm_event(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
-    patch.metadata.annotations[names.INTAKE_ANNOTATION] = intake.handle(dict(body), SETTINGS, logger)
+    patch.metadata.annotations[names.INTAKE_ANNOTATION] = intake.record(dict(body), intake.handle(
+        dict(body), SETTINGS, logger))
 
 
 def incident_contain(body: kopf.Body, **_: Any) -> None:
@@ -80,12 +80,15 @@ def register(registry: kopf.OperatorRegistry, *, with_login: bool = True) -> Non
     on.event(names.JOB_GROUP, names.JOB_VERSION, names.JOB_PLURAL, registry=registry, id="job_alarm_key",
              when=_wants_key)(job_alarm_key)
     kopf.timer(names.JOB_GROUP, names.JOB_VERSION, names.JOB_PLURAL, registry=registry, id="job_alarm_key_recheck",
-               interval=KEY_RECHECK_SECONDS, idle=KEY_RECHECK_SECONDS, when=_wants_key)(job_alarm_key_recheck)
+               interval=SETTINGS.key_recheck_seconds, when=_wants_key)(job_alarm_key_recheck)
     on.create("v1", "events", **ALARM_FILTER, registry=registry, id="alarm_event", backoff=SETTINGS.retry_seconds,
               retries=20)(alarm_event)
     for decorator in (on.resume, on.create):
         decorator(names.GROUP, names.VERSION, names.INCIDENTS, registry=registry, id="incident_contain",
                   backoff=SETTINGS.retry_seconds)(incident_contain)
+    kopf.timer(names.GROUP, names.VERSION, names.INCIDENTS, registry=registry, id="incident_tick",
+               interval=SETTINGS.storm_guard_recheck_seconds, initial_delay=SETTINGS.storm_guard_recheck_seconds,
+               backoff=SETTINGS.retry_seconds, when=incident.needs_work)(incident_contain)
     kopf.timer(names.GROUP, names.VERSION, names.REPLACEMENTS, registry=registry, id="replacement_tick",
                interval=SETTINGS.poll_seconds, backoff=SETTINGS.retry_seconds,
                when=replacement.is_open)(replacement_tick)

@@ -146,18 +146,20 @@ def reconcile(body: dict[str, Any], settings: Settings) -> None:
             _record(namespace, name, "StormGuard",
                     f"{held} not cordoned: {settings.max_concurrent_suspect_nodes} suspect nodes already "
                     "cordoned (maxConcurrentSuspectNodes)",
+                    only_if=lambda st: not kube.is_true(st, "StormGuard"),
                     conditions=[kube.condition("StormGuard", True, "MaxConcurrentSuspectNodes",
                                                f"held back: {', '.join(held)}")])
         raise kopf.TemporaryError(f"storm guard holds {held}", delay=settings.storm_guard_recheck_seconds)
     status = kube.get_incident(namespace, name).get("status") or {}
     if kube.is_true(status, "StormGuard"):
         _record(namespace, name, "StormGuardReleased", "every suspect node is now cordoned",
+                only_if=lambda st: kube.is_true(st, "StormGuard"),
                 conditions=[kube.condition("StormGuard", False, "SlotFree", "all suspect nodes cordoned")])
     if status.get("phase") == "Containing":
         waiting = bool(status.get("replacements"))
         _record(namespace, name, "Contained",
                 "awaiting approval of node replacement" if waiting else "contained; no node to replace",
-                phase="AwaitingApproval" if waiting else "Contained",
+                phase="AwaitingApproval" if waiting else "Contained", only_if=lambda st: st.get("phase") == "Containing",
                 conditions=[kube.condition("Contained", True, "Contained", "job and suspect nodes contained")])
     sync(ref)
 
@@ -200,7 +202,22 @@ def _backfill_recovery(namespace: str, name: str, spec: dict[str, Any]) -> dict[
 
 
 def _record(namespace: str, name: str, event: str, message: str, **fields: Any) -> dict[str, Any]:
+    """One transition; ``only_if`` makes it happen once when handlers race (the timer and on.create)."""
     return kube.record(names.INCIDENTS, namespace, name, event, message, **fields).get("status") or {}
+
+
+def _no_condition(type_: str) -> Any:
+    return lambda status: not any(c.get("type") == type_ for c in status.get("conditions") or [])
+
+
+def _node_unset(node: str, key: str) -> Any:
+    return lambda status: not ((status.get("nodes") or {}).get(node) or {}).get(key)
+
+
+def needs_work(status: dict[str, Any], **_: Any) -> bool:
+    """Level-triggered safety net (a kopf timer): an incident not yet contained, or held by the
+    storm guard, is reconciled again even if a lost progress patch left kopf nothing to retry."""
+    return status.get("phase") in (None, "Containing") or kube.is_true(status, "StormGuard")
 
 
 def _suspend(namespace: str, name: str, spec: dict[str, Any], status: dict[str, Any], settings: Settings) -> dict[str, Any]:
@@ -209,9 +226,11 @@ def _suspend(namespace: str, name: str, spec: dict[str, Any], status: dict[str, 
     job = spec["job"]
     if contain.suspend_job(job):
         return _record(namespace, name, "JobSuspended", f"PyTorchJob {job['name']}: spec.runPolicy.suspend=true",
+                       only_if=_no_condition("JobSuspended"),
                        conditions=[kube.condition("JobSuspended", True, "Suspended", "suspended by sdcguard; "
                                                   "resume it yourself from status.resumeFrom")])
     return _record(namespace, name, "JobNotSuspended", f"PyTorchJob {job['name']} no longer exists",
+                   only_if=_no_condition("JobSuspended"),
                    conditions=[kube.condition("JobSuspended", False, "JobNotFound", "the job no longer exists")])
 
 
@@ -228,11 +247,12 @@ def _cordon_all(namespace: str, name: str, ref: str, spec: dict[str, Any], statu
         if outcome == "storm-guard":
             held.append(node)
         elif outcome == "missing":
-            _record(namespace, name, "NodeMissing", f"node {node} no longer exists", nodes={node: {"missing": True}})
+            _record(namespace, name, "NodeMissing", f"node {node} no longer exists", nodes={node: {"missing": True}},
+                    only_if=_node_unset(node, "missing"))
         else:
             text = f"cordoned and labelled {names.SUSPECT_LABEL}=true" if outcome == "cordoned" else \
                 "already cordoned as suspect by another incident"
-            _record(namespace, name, "NodeCordoned", f"{node}: {text}",
+            _record(namespace, name, "NodeCordoned", f"{node}: {text}", only_if=_node_unset(node, "cordoned"),
                     nodes={node: {"cordoned": True, "cordonedAt": kube.now()}},
                     conditions=[kube.condition("NodesCordoned", True, "Cordoned", "suspect nodes cordoned")])
     return held
@@ -258,7 +278,7 @@ def _open_replacements(namespace: str, name: str, ref: str, status: dict[str, An
                 f"NodeReplacement {replacement_name}",
                 nodes={node: {"instanceId": found.instance_id, "cluster": found.cluster,
                               "instanceGroup": found.instance_group, "replacement": replacement_name}},
-                replacements={replacement_name: "Opened"})
+                replacements={replacement_name: "Opened"}, only_if=_node_unset(node, "replacement"))
 
 
 def note(ref: str, event: str, message: str, replacement_name: str, phase: str) -> None:

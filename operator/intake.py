@@ -19,7 +19,7 @@ import kopf
 
 from sdcguard.contract import names
 
-from . import incident, metrics, signing, validate
+from . import incident, kube, metrics, signing, validate
 from .settings import Settings
 
 
@@ -29,6 +29,17 @@ def handle(event: dict[str, Any], settings: Settings, logger: logging.Logger | l
     if recorded:
         return recorded
     return _handle(event, settings, logger)
+
+
+def record(event: dict[str, Any], outcome: str) -> str:
+    """Write the outcome onto the alarm Event ourselves (not only through kopf's final patch, which
+    is lost if the API server fails it: kopf would then never look at this Event again). Raises on
+    failure, so kopf retries the handler, which then finds the outcome or recomputes it."""
+    meta = event["metadata"]
+    if (meta.get("annotations") or {}).get(names.INTAKE_ANNOTATION) != outcome:
+        kube.core().patch_namespaced_event(meta["name"], meta["namespace"],
+                                           {"metadata": {"annotations": {names.INTAKE_ANNOTATION: outcome}}})
+    return outcome
 
 
 def _handle(event: dict[str, Any], settings: Settings, logger: logging.Logger | logging.LoggerAdapter) -> str:

@@ -54,6 +54,9 @@ class Settings:
     renew_seconds: float = 10.0
     """SDCGUARD_RENEW_SECONDS: the leader stops (exits) if it could not renew for this long; must
     be shorter than the lease, so that it has stopped before anyone else may take over."""
+    key_recheck_seconds: float = 60.0
+    """SDCGUARD_KEY_RECHECK_SECONDS: how often each enabled job's key Secret is checked (a deleted
+    key is recreated)."""
     metrics_port: int = 8080
     """SDCGUARD_METRICS_PORT: Prometheus metrics port; 0 turns the endpoint off."""
     require_signed_alarms: bool = True
@@ -93,6 +96,7 @@ class Settings:
             leader_lease=env.get("SDCGUARD_LEADER_LEASE") or "sdcguard-operator",
             lease_seconds=_float(env, "SDCGUARD_LEASE_SECONDS", 15.0),
             renew_seconds=_float(env, "SDCGUARD_RENEW_SECONDS", 10.0),
+            key_recheck_seconds=_float(env, "SDCGUARD_KEY_RECHECK_SECONDS", 60.0),
             metrics_port=_int(env, "SDCGUARD_METRICS_PORT", 8080),
             require_signed_alarms=_bool(env, "SDCGUARD_REQUIRE_SIGNED_ALARMS", True),
             operator_username=env.get("SDCGUARD_OPERATOR_USERNAME") or None,

@@ -178,11 +178,13 @@ class HyperPodResponse(SageMakerResponse):
         cluster_name, instance_id = self._get_param("ClusterName"), self._get_param("NodeId")
         with _LOCK:
             fault = self._before("DescribeClusterNode", [instance_id])
-            self._record("DescribeClusterNode", [instance_id], "ok")
+            self._record("DescribeClusterNode", [instance_id], "ok", fault=fault)
             cluster = self._cluster(cluster_name)
             progress = STATE.progress.get(instance_id)
             node = cluster.nodes.get(instance_id)
-            if progress is not None and node is not None:
+            # An answer the caller times out on (slow) is a read it never saw: progress, which the
+            # emulator counts in describes seen, does not move (real checks take minutes).
+            if progress is not None and node is not None and fault != "slow":
                 if progress["polls_left"] > 0:
                     progress["polls_left"] -= 1
                 elif progress["kind"] == "health":
@@ -212,6 +214,7 @@ class HyperPodResponse(SageMakerResponse):
                 effective: bool | None = None, fault: str | None = None) -> None:
         STATE.calls.append({"action": action, "ids": list(ids), "outcome": outcome, "detail": detail,
                             "effective": outcome == "ok" if effective is None else effective, "fault": fault,
+                            "time": time.time(),
                             "endpoint": self.headers.get("Host", "")})
 
 

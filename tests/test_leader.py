@@ -97,19 +97,23 @@ def test_leader_killed_at_random_points_acts_exactly_once(make_world):
     world.aws.script(instance, health_polls=4, health_delay=1.0, replace_polls=4, replace_delay=1.0)
     replicas = Replicas(world, seed=14)
 
-    def drive(done, timeout: float, what: str) -> None:
-        """Wait for ``done()`` while killing whoever leads at random moments, as a node failure would.
+    def drive(done, timeout: float, what: str, kill_on=None) -> None:
+        """Wait for ``done()`` while killing whoever leads at random moments, as a node failure would,
+        and once as soon as ``kill_on()`` holds (an AWS call in flight).
         (From this thread: the replicas die with the thread that started them, PR_SET_PDEATHSIG.)"""
         deadline, next_kill = time.monotonic() + timeout, time.monotonic() + replicas.rng.uniform(1.0, 4.0)
         while time.monotonic() < deadline:
             try:
+                if kill_on is not None and kill_on():
+                    kill_on = None
+                    replicas.kill_leader(f"t={time.monotonic() - started:.1f}s, a call in flight ({what})")
                 if done():
                     return
             except Exception:  # noqa: BLE001 — not there yet
                 pass
             if time.monotonic() >= next_kill:
                 replicas.kill_leader(f"t={time.monotonic() - started:.1f}s, waiting for {what}")
-                next_kill = time.monotonic() + replicas.rng.uniform(2.0, 5.0)
+                next_kill = time.monotonic() + replicas.rng.uniform(1.5, 3.5)
             time.sleep(0.1)
         raise AssertionError(f"timed out waiting for {what}; kills {replicas.kills}\n" + world.log()[-6000:])
 
@@ -123,10 +127,11 @@ def test_leader_killed_at_random_points_acts_exactly_once(make_world):
         world.alarm_event(ns, make_alarm(ns, "llm", step=70, suspects=[(1, pods[1], suspect)],
                                          reporter=(0, pods[0], nodes[0])), key=world.alarm_key(ns, "llm", 90))
         drive(lambda: (world.replacement(suspect).get("status") or {}).get("phase") == "PendingApproval",
-              120, "PendingApproval")
+              120, "PendingApproval", kill_on=lambda: world.aws.calls("StartClusterHealthCheck", instance))
         world.custom.patch_cluster_custom_object("sdcguard.dev", "v1", "nodereplacements", suspect,
                                                  {"spec": {"decision": "Approved", "decisionReason": "chaos"}})
-        drive(lambda: (world.replacement(suspect).get("status") or {}).get("phase") == "Replaced", 120, "Replaced")
+        drive(lambda: (world.replacement(suspect).get("status") or {}).get("phase") == "Replaced", 120, "Replaced",
+              kill_on=lambda: world.aws.calls("BatchReplaceClusterNodes", instance))
         time.sleep(2)
         for slot in ("a", "b"):  # the replicas alive now, one of them a follower, both admit pods
             world.wait(lambda s=slot: _admission_review_answered(replicas.ports[s]), timeout=60,

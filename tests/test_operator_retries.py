@@ -84,3 +84,12 @@ def test_a_failed_replacement_holds_its_slot_until_a_person_releases_it(world):
     again = world.kubectl("sdcguard", "release", failed)
     assert "already released" in again.stdout
     assert [t["event"] for t in world.replacement(failed)["status"]["timeline"]].count("Released") == 1
+
+
+def test_a_deleted_key_secret_is_recreated_without_the_job_changing(make_world):
+    world = make_world(SDCGUARD_KEY_RECHECK_SECONDS="0.5")
+    world.job("keys", "llm")
+    first = world.alarm_key("keys", "llm")
+    world.core.delete_namespaced_secret("sdcguard-alarm-key-llm", "keys")
+    second = world.wait(lambda: world.alarm_key("keys", "llm", timeout=1), timeout=30, what="the key recreated")
+    assert second != first and len(second) >= 32  # a new key: sidecars reread the mounted file
