@@ -150,6 +150,8 @@ class Soak:
         self.invalid_events: list[str] = []
         self.decisions: dict[str, tuple[str, float]] = {}  # NodeReplacement -> (decision, time)
         self.decide_at: dict[str, float] = {}
+        self.evidence: dict[str, Any] = {}  # what a violation saw, written to <workdir>/evidence.json
+        self.workdir = workdir
         self.build(jobs, suspects)
 
     # -- the cluster ------------------------------------------------------------------------
@@ -353,6 +355,7 @@ class Soak:
                       and c["effective"]]
             if len(health) != 1:
                 v.append(f"{name}: {len(health)} effective StartClusterHealthCheck calls")
+                self.evidence[name] = {"status": status, "calls": [c for c in calls if instance in c["ids"]]}
             replaced = [c for c in calls if c["action"] == "BatchReplaceClusterNodes" and instance in c["ids"]
                         and c["effective"]]
             decision, decided_at = self.decisions.get(name, ("", 0.0))
@@ -363,8 +366,10 @@ class Soak:
             if decision == "Approved":
                 if len(replaced) > 1 or any(c["time"] < decided_at for c in replaced):
                     v.append(f"{name}: {len(replaced)} effective BatchReplaceClusterNodes (approved at {decided_at})")
+                    self.evidence[name] = {"status": status, "calls": [c for c in calls if instance in c["ids"]]}
             elif replaced:
                 v.append(f"{name}: BatchReplaceClusterNodes for a {decision or 'undecided'} replacement")
+                self.evidence[name] = {"status": status, "calls": [c for c in calls if instance in c["ids"]]}
         # 4. invalid alarms
         for event in self.invalid_events:
             outcome = w.event_annotation(self.ns, event) or ""
@@ -380,6 +385,8 @@ class Soak:
             f.final[name] = f"{status.get('phase')} {status.get('replacements')}" + (f" held {held}" if held else "")
         for node in self.labelled_now():
             f.final[node] = "labelled suspect"
+        if self.evidence:
+            (self.workdir / "evidence.json").write_text(json.dumps(self.evidence, indent=1, default=str))
 
     def close(self) -> None:
         self.world.close()

@@ -78,6 +78,9 @@ def run_elected(settings: Settings, namespaces: list[str], liveness: str | None,
     try:
         kopf.run(registry=acting, standalone=True, **scope)
     finally:
+        # kopf has stopped (SIGTERM, or a fatal error), but handler threads may still be inside an
+        # AWS call: keep the Lease (still renewed) until they are done, then hand it over.
+        handlers.EXECUTOR.shutdown(wait=True, cancel_futures=True)
         holding.set()
         elector.release()
     return 0

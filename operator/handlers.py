@@ -6,6 +6,7 @@ only while this replica is the leader (:mod:`.leader`) and serves the webhooks f
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from typing import Any
 
@@ -18,12 +19,16 @@ from .settings import Settings
 
 SETTINGS = Settings.from_env()
 ALARM_FILTER = dict(field="reason", value=names.EVENT_REASON)
+#: The threads the (synchronous) handlers run in, ours so that a stopping replica can wait for the
+#: ones still running (an AWS call in flight) before it hands the Lease over (:mod:`.cli`).
+EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="sdcguard-handler")
 
 
 def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
     """Server-side field selector for alarm Events (client-side filter below too); quiet kopf Events."""
     settings.watching.field_selectors["v1", "events"] = f"reason={names.EVENT_REASON}"
     settings.posting.level = logging.WARNING
+    settings.execution.executor = EXECUTOR
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=names.GROUP,
                                                                             key="last-handled-configuration")

@@ -6,6 +6,8 @@ and credentials apply unchanged:
 
     kubectl sdcguard approve NAME [--reason TEXT]   # spec.decision=Approved, and why
     kubectl sdcguard deny NAME [--reason TEXT]      # spec.decision=Denied: the node is uncordoned
+    kubectl sdcguard release NODE [--reason TEXT]   # a Failed replacement gives its storm-guard
+                                                    # slot back (spec.release; the node stays cordoned)
     kubectl sdcguard incidents                      # every SDCIncident, newest last, with where to
                                                     # resume from and how many steps are at risk
     kubectl sdcguard history                        # nodes / instances by number of incidents

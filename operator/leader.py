@@ -63,6 +63,7 @@ class Elector:
         self._observed: tuple[Any, float] | None = None  # (holder, renewTime) and when we saw it change
         self._renewed = 0.0
         self._leading = False
+        self._stopping = False
 
     def _api(self) -> kubernetes.client.CoordinationV1Api:
         return kubernetes.client.CoordinationV1Api(kube.api_client())
@@ -75,6 +76,7 @@ class Elector:
     def try_acquire(self) -> bool | None:
         """One attempt to take or renew the Lease: True while we hold it, False while another
         does, None when our write conflicted (read again next round)."""
+        sent = self._clock()  # a renewal counts from when it was asked for, not from its answer
         api = self._api()
         try:
             lease = api.read_namespaced_lease(self.name, self.namespace, _request_timeout=5)
@@ -90,7 +92,7 @@ class Elector:
                 if exc2.status == 409:
                     return None
                 raise
-            return self._won()
+            return self._won(sent)
         spec = lease.spec
         holder = spec.holder_identity or ""
         record = (holder, str(spec.renew_time))
@@ -109,10 +111,12 @@ class Elector:
             if exc.status == 409:
                 return None  # somebody else wrote first: read again next round
             raise
-        return self._won()
+        return self._won(sent)
 
-    def _won(self) -> bool:
-        self._renewed = self._clock()
+    def _won(self, sent: float) -> bool:
+        if self._stopping:
+            return True  # handing over: do not announce leadership again
+        self._renewed = sent
         if not self._leading:
             log.info(f"sdcguard leader: {self.identity} holds Lease {self.namespace}/{self.name}")
             metrics.LEADER.set(1)
@@ -134,7 +138,9 @@ class Elector:
         return False
 
     def hold(self, stop: threading.Event) -> None:
-        """Renew until ``stop``; exit the process the moment leadership cannot be vouched for."""
+        """Renew until ``stop``; exit the process the moment leadership cannot be vouched for
+        (a watchdog checks the deadline even while a renewal hangs)."""
+        threading.Thread(target=self._watchdog, args=(stop,), name="sdcguard-lease-watchdog", daemon=True).start()
         while not stop.wait(self.retry):
             try:
                 if self.try_acquire() is False:
@@ -142,6 +148,12 @@ class Elector:
                     return
             except Exception as exc:  # noqa: BLE001
                 log.warning(f"sdcguard leader: renewing Lease {self.namespace}/{self.name} failed: {exc}")
+            if self._clock() - self._renewed > self.renew_seconds:
+                self._lost(f"not renewed for {self.renew_seconds:g}s")
+                return
+
+    def _watchdog(self, stop: threading.Event) -> None:
+        while not stop.wait(min(0.1, self.retry)):
             if self._clock() - self._renewed > self.renew_seconds:
                 self._lost(f"not renewed for {self.renew_seconds:g}s")
                 return
@@ -161,15 +173,24 @@ class Elector:
         """Hand the Lease back (clean shutdown): the other replica need not wait for it to expire."""
         if not self._leading:
             return
+        self._stopping = True
         self._leading = False
         metrics.LEADER.set(0)
         api = self._api()
         try:
-            lease = api.read_namespaced_lease(self.name, self.namespace, _request_timeout=5)
-            if lease.spec.holder_identity == self.identity:
-                api.patch_namespaced_lease(self.name, self.namespace, {
-                    "metadata": {"resourceVersion": lease.metadata.resource_version},
-                    "spec": {"holderIdentity": "", "renewTime": _micro()}}, _request_timeout=5)
+            for _ in range(3):  # a renewal still in flight may win the race once
+                lease = api.read_namespaced_lease(self.name, self.namespace, _request_timeout=5)
+                if lease.spec.holder_identity != self.identity:
+                    return
+                try:
+                    api.patch_namespaced_lease(self.name, self.namespace, {
+                        "metadata": {"resourceVersion": lease.metadata.resource_version},
+                        "spec": {"holderIdentity": "", "renewTime": _micro()}}, _request_timeout=5)
+                except kubernetes.client.ApiException as exc:
+                    if exc.status == 409:
+                        continue
+                    raise
                 log.info(f"sdcguard leader: {self.identity} released Lease {self.namespace}/{self.name}")
+                return
         except Exception as exc:  # noqa: BLE001 — it expires anyway
             log.warning(f"sdcguard leader: could not release Lease {self.namespace}/{self.name}: {exc}")

@@ -154,3 +154,48 @@ def test_leader_killed_at_random_points_acts_exactly_once(make_world):
     assert timeline.count("Opened") == 1 and timeline.count("NodeCordoned") == 1, timeline
     assert len(replicas.kills) >= 3, replicas.kills
     print(f"leader kills: {replicas.kills}")
+
+
+def test_lease_rules_one_holder_takeover_only_after_expiry_and_exit_on_loss(tmp_path, monkeypatch):
+    """The Elector against the emulator's Lease, with clocks of our own: a follower waits out the
+    lease from when it last saw the record change; a superseded leader exits."""
+    from kube_emulator import start_emulator
+
+    from sdcguard_operator import kube, leader
+    from sdcguard_operator.settings import Settings
+
+    with start_emulator(tmp_path) as emulator:
+        monkeypatch.setattr(kube, "_client", emulator.api_client())
+        settings = Settings.from_env({"SDCGUARD_LEASE_SECONDS": "10", "SDCGUARD_RENEW_SECONDS": "6"})
+        now = {"a": 0.0, "b": 0.0}
+        exits: list[str] = []
+        a = leader.Elector(settings, identity="a", clock=lambda: now["a"], exit=lambda code: exits.append("a"))
+        b = leader.Elector(settings, identity="b", clock=lambda: now["b"], exit=lambda code: exits.append("b"))
+        assert a.try_acquire() is True
+        assert b.try_acquire() is False  # held
+        now["b"] = 9.0
+        assert b.try_acquire() is False  # not yet expired as b sees it
+        assert a.try_acquire() is True  # a renews: the record changes, b's wait starts again
+        now["b"] = 18.0
+        assert b.try_acquire() is False
+        now["b"] = 28.5  # 10 s after b saw the last change
+        assert b.try_acquire() is True
+        lease = kubernetes_lease(emulator)
+        assert lease.spec.holder_identity == "b" and lease.spec.lease_transitions == 1
+        # a learns it lost: it exits at once (it must not act any longer)
+        stop = __import__("threading").Event()
+        a.retry = 0.01
+        thread = __import__("threading").Thread(target=a.hold, args=(stop,))
+        thread.start()
+        thread.join(5)
+        stop.set()
+        assert exits == ["a"]
+        b.release()
+        assert kubernetes_lease(emulator).spec.holder_identity in ("", None)
+        assert a.try_acquire() is True  # handed back: no need to wait for expiry
+
+
+def kubernetes_lease(emulator):
+    import kubernetes
+    return kubernetes.client.CoordinationV1Api(emulator.api_client()).read_namespaced_lease(
+        "sdcguard-operator", "default")

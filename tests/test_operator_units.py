@@ -134,3 +134,36 @@ def test_crds_have_schema_status_and_printer_columns(path):
         assert crd["spec"]["scope"] == "Cluster"
         assert {"Node", "Instance", "Phase", "Decision", "Age"} <= columns
         assert props["spec"]["properties"]["decision"]["enum"] == ["", "Approved", "Denied"]
+
+
+def test_injected_pods_get_a_grace_period_the_sidecar_knows_and_never_a_shorter_one() -> None:
+    from sdcguard_operator import webhook
+
+    def injected(grace: int | None, settings: webhook.SidecarSettings) -> dict:
+        pod = {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "train", "image": "t"}]}}
+        if grace is not None:
+            pod["spec"]["terminationGracePeriodSeconds"] = grace
+        how, _ = webhook.plan("llm", {"sdcguard.dev/enabled": "true"})
+        webhook.inject(pod, how=how, sidecar=settings)
+        return pod
+
+    default = webhook.SidecarSettings()
+    pod = injected(None, default)
+    [sidecar] = [c for c in pod["spec"]["initContainers"] if c["name"] == "sdcguard-sidecar"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 90
+    assert sidecar["args"][sidecar["args"].index("--grace-period") + 1] == "90"
+    longer = injected(600, default)
+    assert longer["spec"]["terminationGracePeriodSeconds"] == 600
+    [sidecar] = [c for c in longer["spec"]["initContainers"] if c["name"] == "sdcguard-sidecar"]
+    assert sidecar["args"][sidecar["args"].index("--grace-period") + 1] == "600"
+    env = webhook.SidecarSettings.from_env({"SDCGUARD_SIDECAR_GRACE_SECONDS": "120"})
+    assert injected(30, env)["spec"]["terminationGracePeriodSeconds"] == 120
+
+
+def test_settings_refuse_a_renew_deadline_not_shorter_than_the_lease() -> None:
+    import pytest as _pytest
+    from sdcguard_operator.settings import Settings
+
+    with _pytest.raises(ValueError, match="SDCGUARD_RENEW_SECONDS"):
+        Settings.from_env({"SDCGUARD_LEASE_SECONDS": "5", "SDCGUARD_RENEW_SECONDS": "5"})
+    assert Settings.from_env({}).aws_call_seconds == 30.0
