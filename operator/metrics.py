@@ -19,6 +19,11 @@ SUSPECT_NODES = prom.Gauge("sdcguard_suspect_nodes", "Nodes labelled sdcguard.de
 RELEASES = prom.Counter("sdcguard_storm_guard_releases_total",
                         "Storm-guard slots of failed replacements released by a person (kubectl sdcguard release)")
 LEADER = prom.Gauge("sdcguard_leader", "1 while this replica holds the leader Lease and acts, else 0")
+PENDING_APPROVAL = prom.Gauge(
+    "sdcguard_replacement_pending_approval_timestamp_seconds",
+    "Unix time each NodeReplacement now waiting for a decision entered PendingApproval (from its status "
+    "timeline, so a restarted or new leader reports the same time); the series goes when it leaves",
+    ["nodereplacement", "node"])
 REPLACEMENTS = prom.Counter("sdcguard_replacements_total", "NodeReplacement phase transitions, by phase", ["phase"])
 AWS_CALLS = prom.Counter("sdcguard_aws_calls_total", "SageMaker calls made, by operation", ["operation"])
 AWS_ERRORS = prom.Counter("sdcguard_aws_call_errors_total", "SageMaker call errors, by operation and code",

@@ -16,6 +16,7 @@ records one.
 """
 from __future__ import annotations
 
+import datetime
 import itertools
 from typing import Any
 
@@ -117,6 +118,7 @@ def reconcile(body: dict[str, Any], settings: Settings) -> None:
     name = body["metadata"]["name"]
     body = kube.get_replacement(name)
     status = body.get("status") or {}
+    _export_pending(name, body)
     target = status.get("target") or _target_from_incidents(body)
     if not target or status.get("phase") in TERMINAL:
         return
@@ -150,6 +152,25 @@ def reconcile(body: dict[str, Any], settings: Settings) -> None:
             status = _replace(body, status, settings)
     if status["phase"] == "Replacing":
         _follow(body, status, settings)
+
+
+# The timeline events that move a NodeReplacement into PendingApproval (see _health_check).
+_PENDING_EVENTS = ("HealthCheckPassed", "HealthCheckFailed", "HealthCheckSkipped", "HealthCheckNotRun")
+
+
+def _export_pending(name: str, body: dict[str, Any]) -> None:
+    """The pending-approval gauge, from the object itself (the timer runs this every poll)."""
+    status = body.get("status") or {}
+    node = (status.get("target") or {}).get("nodeName") or (body.get("spec") or {}).get("nodeName") or ""
+    since = next((entry.get("time") for entry in status.get("timeline") or [] if entry.get("event") in _PENDING_EVENTS), None)
+    if status.get("phase") == "PendingApproval" and not approval.recorded(status) and since:
+        metrics.PENDING_APPROVAL.labels(name, node).set(
+            datetime.datetime.fromisoformat(since.replace("Z", "+00:00")).timestamp())
+    else:
+        try:
+            metrics.PENDING_APPROVAL.remove(name, node)
+        except KeyError:
+            pass
 
 
 def release(body: dict[str, Any], settings: Settings) -> None:
@@ -223,7 +244,6 @@ def _attempt(status: dict[str, Any], key: str, settings: Settings) -> str:
 
 
 def _age(stamp: str) -> float:
-    import datetime
     then = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
     return (datetime.datetime.now(datetime.timezone.utc) - then).total_seconds()
 
