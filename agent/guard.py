@@ -138,8 +138,6 @@ class Guard:
 
         ``audit=True`` makes this step an audit step on demand (e.g. before a checkpoint);
         every rank must pass the same value."""
-        if self._current is not None:
-            raise RuntimeError(f"sdcguard: step {step} begun while step {self._current.step} is still open")
         return Step(self, step, micro_batches, self.is_audit_step(step) if audit is None else bool(audit) and not self.solo)
 
     def train_step(self, step: int, batch: Any = None, *, micro_batches: Sequence[Any] | None = None,
@@ -361,7 +359,6 @@ class Guard:
             raise error
         log.warning("%s; skipping the step (on_nonfinite=skip)", error)
         self.nonfinite_skipped += 1
-        self.stats.timed("nonfinite_skipped", time.perf_counter())
         for _, p in self.named_parameters:  # optimizer.step() then changes nothing
             p.grad = None
         s.skipped = True

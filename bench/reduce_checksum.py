@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt import TinyGPT, lm_batch, lm_loss  # noqa: E402
 
-from sdcguard.checks.reduce_checksum import ROWS, ChecksumWeights, Shape, judge_checksum, rounding_bound  # noqa: E402
+from sdcguard.checks.reduce_checksum import ChecksumWeights, Shape, judge_checksum, rounding_bound  # noqa: E402
 from sdcguard.checks.reduce_checksum import vote as rank_vote  # noqa: E402
 
 

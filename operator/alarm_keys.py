@@ -23,7 +23,6 @@ from sdcguard.contract import names
 
 from . import kube, metrics
 from .signing import secret_name
-from .validate import job_enabled
 
 def manifest(job: Mapping[str, Any]) -> dict[str, Any]:
     """A fresh key Secret for ``job`` (a PyTorchJob body with name, namespace and uid)."""

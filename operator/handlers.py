@@ -14,7 +14,7 @@ import kopf
 
 from sdcguard.contract import names
 
-from . import alarm_keys, incident, intake, kube, metrics, replacement
+from . import alarm_keys, incident, intake, kube, metrics, replacement, validate
 from .settings import Settings
 
 SETTINGS = Settings.from_env()
@@ -42,7 +42,7 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 
 def _wants_key(annotations: kopf.Annotations, namespace: str | None, **_: Any) -> bool:
-    return alarm_keys.job_enabled(annotations) and (not SETTINGS.namespaces or namespace in SETTINGS.namespaces)
+    return validate.job_enabled(annotations) and (not SETTINGS.namespaces or namespace in SETTINGS.namespaces)
 
 
 def job_alarm_key(body: kopf.Body, type: str | None, logger: logging.Logger, **_: Any) -> None:

@@ -19,10 +19,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from ..fingerprint import Fingerprint, fingerprint_sums, to_fingerprints
-from .norms import squared_norm
 from .reduce_checksum import ChecksumWeights, Shape, vote
 
-__all__ = ["GradientRecorder", "record_then_reduce", "allreduce_mean", "squared_norm"]
+__all__ = ["GradientRecorder", "record_then_reduce", "allreduce_mean"]
 
 ReduceHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
