@@ -1,4 +1,4 @@
-# Two entry points: `make demo` (a fault-injection drill on CPU) and `make test`.
+# Two entry points: `make demo` (the whole loop in a local sandbox cluster, on CPU) and `make test`.
 # Both build .venv from scratch when it is missing; nothing else on the machine is assumed.
 PYTHON ?= python3
 VENV := .venv
@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet "torch==2.13.0" numpy
-	$(PY) -m pip install --quiet -e ".[agent,sidecar,operator,dev]"
+	$(PY) -m pip install --quiet -e ".[agent,sidecar,operator,sandbox,dev]"
 	touch $(STAMP)
 
 tools: $(TOOLS) $(PROMTOOL)
@@ -45,10 +45,11 @@ $(PROMTOOL): | $(STAMP)
 	install -m 0755 $(VENV)/deb/usr/bin/promtool $(PROMTOOL)
 	rm -rf $(VENV)/deb
 
-demo: $(STAMP)
-	$(VENV)/bin/sdcguard drill --nodes 3 --ranks-per-node 2 --steps 12 \
-		--weight-check-every 2 --inject weight-bitflip:rank=3:step=5 \
-		--report demo-report.json
+# The whole loop in a local sandbox cluster (agent/sandbox/demo.py): a silent gradient fault in a
+# real DDP run, the signed alarm, the operator's incident, cordon and health check, an approval
+# with kubectl sdcguard, the node replaced, where to resume. Stops everything it started.
+demo: $(STAMP) $(TOOLS)
+	$(VENV)/bin/sdcguard demo --report demo-report.json
 
 test: $(STAMP) $(TOOLS) $(PROMTOOL)
 	$(PY) -m pytest -q

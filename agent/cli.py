@@ -1,4 +1,5 @@
-"""The ``sdcguard`` command: ``drill``, ``verify-checkpoint``, ``sidecar`` and ``operator``."""
+"""The ``sdcguard`` command: ``drill``, ``verify-checkpoint``, ``sidecar``, ``operator``, and the
+local sandbox: ``sandbox`` (serve it) and ``demo`` (the whole loop once)."""
 from __future__ import annotations
 
 import argparse
@@ -8,23 +9,34 @@ from pathlib import Path
 
 from .drill import launch as drill
 
-# Subcommands that live in modules with their own argument parsers (and heavier imports).
+# Subcommands that live in modules with their own argument parsers (and heavier imports), and
+# the extra that installs what they import.
 DELEGATED = {
-    "sidecar": ("sdcguard.sidecar", "publish spooled alarms as Kubernetes Events; serve metrics"),
-    "operator": ("sdcguard_operator.cli", "run the kopf operator (same as kopf run -m sdcguard_operator)"),
+    "sidecar": ("sdcguard.sidecar", "sidecar", "publish spooled alarms as Kubernetes Events; serve metrics"),
+    "operator": ("sdcguard_operator.cli", "operator", "run the kopf operator (same as kopf run -m sdcguard_operator)"),
+    "sandbox": ("sdcguard.sandbox.serve", "sandbox", "serve a local stand-in HyperPod cluster running the operator"),
+    "demo": ("sdcguard.sandbox.demo", "sandbox",
+             "the whole loop once in the sandbox: fault, alarm, cordon, approval, replacement"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in DELEGATED:
-        return importlib.import_module(DELEGATED[argv[0]][0]).main(argv[1:])
+        module, extra, _ = DELEGATED[argv[0]]
+        try:
+            command = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            print(f"sdcguard {argv[0]}: error: {exc.name} is not installed (pip install 'sdcguard[{extra}]')",
+                  file=sys.stderr)
+            return 2
+        return command.main(argv[1:])
     parser = argparse.ArgumentParser(prog="sdcguard", description="silent-data-corruption detection for PyTorch training")
     sub = parser.add_subparsers(dest="command", required=True)
     drill.add_arguments(sub.add_parser("drill", help="run a fault-injection drill (multi-process DDP)"))
     verify = sub.add_parser("verify-checkpoint", help="check a checkpoint against its manifest (exit 0 good, 1 mismatch, 2 bad input)")
     verify.add_argument("path", type=Path, help="the checkpoint file (its manifest is PATH.sdcguard.json)")
-    for name, (_, help_text) in DELEGATED.items():
+    for name, (_, _, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     args = parser.parse_args(argv)
     if args.command == "verify-checkpoint":

@@ -3,8 +3,8 @@
     python bench/chaos_soak.py --seconds 300 --jobs 4 --suspects 6 --seed 1    # the long variant
     (tests/test_chaos.py runs a short one, tens of seconds, in CI)
 
-Real parts: the Kubernetes API emulator (tests/kube_emulator.py, with resourceVersion/409 and
-server-side fault injection), the SageMaker emulator (tests/aws_emulator.py, with random faults),
+Real parts: the Kubernetes API emulator (sdcguard.sandbox.kube, with resourceVersion/409 and
+server-side fault injection), the SageMaker emulator (sdcguard.sandbox.sagemaker, with random faults),
 and two ``sdcguard operator`` processes with leader election.  While a stream of alarms arrives —
 valid ones for several jobs and nodes, duplicates of them, and invalid ones (unsigned, wrongly
 signed, naming a node the pod is not on, naming a job that is not enabled) — at random:
@@ -135,9 +135,13 @@ class Replicas:
 class Soak:
     def __init__(self, workdir: pathlib.Path, *, seconds: float, jobs: int, suspects: int, seed: int,
                  api_fault_rate: float, aws_fault_rate: float, kill_every: tuple[float, float],
-                 converge_timeout: float) -> None:
+                 converge_timeout: float, min_aws_faults: int = 1, max_extra_seconds: float = 60.0) -> None:
         self.rng = random.Random(seed)
         self.seconds, self.converge_timeout = seconds, converge_timeout
+        # The SageMaker calls come late in an incident (after the health check is due), so a short
+        # run can end its fault phase before any call was faulted; it then runs on (bounded) until
+        # ``min_aws_faults`` have struck, so every run exercises the AWS retry paths.
+        self.min_aws_faults, self.max_extra_seconds = min_aws_faults, max_extra_seconds
         self.api_fault_rate, self.aws_fault_rate, self.kill_every = api_fault_rate, aws_fault_rate, kill_every
         self.seed = seed
         self.world = OperatorWorld(
@@ -246,8 +250,14 @@ class Soak:
             started = time.monotonic()
             next_kill = started + self.rng.uniform(*self.kill_every)
             next_alarm = started + 1.0
-            while time.monotonic() - started < self.seconds:
+            aws_faults, counted_at = 0, 0.0
+            while True:
                 now = time.monotonic()
+                if now - started >= self.seconds:
+                    if now - counted_at >= 1.0:
+                        aws_faults, counted_at = _faulted(w.aws.calls()), now
+                    if aws_faults >= self.min_aws_faults or now - started >= self.seconds + self.max_extra_seconds:
+                        break
                 if now >= next_alarm:
                     self.send_invalid() if self.rng.random() < 0.25 else self.send_valid()
                     next_alarm = now + self.rng.uniform(0.3, 1.5)
@@ -347,7 +357,7 @@ class Soak:
         # 3. AWS calls per NodeReplacement
         calls = w.aws.calls()
         f.aws_calls = len(calls)
-        f.aws_faults = sum(1 for c in calls if c.get("fault") or c["outcome"] not in ("ok", "failed"))
+        f.aws_faults = _faulted(calls)
         for item in w.custom.list_cluster_custom_object("sdcguard.dev", "v1", "nodereplacements")["items"]:
             name, status = item["metadata"]["name"], item.get("status") or {}
             instance = item["spec"]["instanceId"]
@@ -390,6 +400,11 @@ class Soak:
 
     def close(self) -> None:
         self.world.close()
+
+
+def _faulted(calls: list[dict[str, Any]]) -> int:
+    """How many of the SageMaker calls a fault struck (an error answer, or a fault after the effect)."""
+    return sum(1 for c in calls if c.get("fault") or c["outcome"] not in ("ok", "failed"))
 
 
 def soak(workdir: pathlib.Path, **options: Any) -> Figures:

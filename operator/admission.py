@@ -35,7 +35,7 @@ from sdcguard.contract import names
 from . import kube, metrics
 from .settings import Settings
 
-HANDLER_ID = "sdcguard-nodereplacement-admission"  # also the URL path kopf serves it at
+HANDLER_ID = names.REPLACEMENT_WEBHOOK_ID  # also the URL path kopf serves it at
 TARGET_FIELDS = ("nodeName", "instanceId", "clusterName", "instanceGroup")
 OPERATOR_FIELDS = TARGET_FIELDS + ("incidents",)
 DECIDER_FIELDS = ("decidedBy", "decidedByGroups")

@@ -25,8 +25,8 @@ import kubernetes
 
 from sdcguard.contract import names
 
-CLUSTER_LABEL = "sagemaker.amazonaws.com/cluster-name"
-GROUP_LABEL = "sagemaker.amazonaws.com/instance-group-name"
+CLUSTER_LABEL = names.HYPERPOD_CLUSTER_LABEL
+GROUP_LABEL = names.HYPERPOD_GROUP_LABEL
 
 _client: kubernetes.client.ApiClient | None = None
 _client_lock = threading.Lock()

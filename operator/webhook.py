@@ -46,7 +46,7 @@ from .signing import secret_name
 
 log = logging.getLogger("sdcguard_operator.webhook")
 
-HANDLER_ID = "sdcguard-pod-inject"  # also the URL path: kopf serves POST /<handler id>
+HANDLER_ID = names.POD_WEBHOOK_ID  # also the URL path: kopf serves POST /<handler id>
 SETTINGS = {  # annotation -> (environment variable, library default)
     names.AUDIT_EVERY_ANNOTATION: (names.ENV_AUDIT_EVERY, Config().audit_every),
     names.WEIGHT_CHECK_EVERY_ANNOTATION: (names.ENV_WEIGHT_CHECK_EVERY, Config().weight_check_every),

@@ -294,10 +294,12 @@ def test_chart_crds_and_plain_manifests_do_not_drift(tmp_path: Path) -> None:
     done = subprocess.run([str(DEPLOY / "render.sh"), str(tmp_path)], capture_output=True, text=True,
                           timeout=60, env=env)
     assert done.returncode == 0, done.stderr
-    for name in sources:
-        assert (CHART / "crds" / name).read_bytes() == (DEPLOY / "crds" / name).read_bytes(), \
-            f"charts/sdcguard/crds/{name} differs from deploy/crds/{name}: run make manifests"
-    assert sorted(p.name for p in (CHART / "crds").iterdir()) == sources
+    sandbox = DEPLOY.parent / "agent" / "sandbox" / "crds"
+    for copies in (CHART / "crds", sandbox):
+        for name in sources:
+            assert (copies / name).read_bytes() == (DEPLOY / "crds" / name).read_bytes(), \
+                f"{copies}/{name} differs from deploy/crds/{name}: run make manifests"
+        assert sorted(p.name for p in copies.iterdir()) == sources
     assert (tmp_path / "deploy" / "sdcguard.yaml").read_text() == (DEPLOY / "sdcguard.yaml").read_text(), \
         "deploy/sdcguard.yaml is stale: run make manifests"
     plain = [d for d in yaml.safe_load_all((DEPLOY / "sdcguard.yaml").read_text()) if d]

@@ -13,6 +13,9 @@ CASES = [
     (["--inject", "grad-inf:rank=1:step=two"], "step must be an integer"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--audit-every", "-3"], "--audit-every must be >= 0"),
+    (["--placement", "/nonexistent/placement.json"], "--placement /nonexistent/placement.json:"),
+    (["--placement", "/dev/null"], "--placement /dev/null: Expecting value"),
+    (["--checkpoint-dir", "/tmp/x"], "--checkpoint-dir needs --checkpoint-every"),
 ]
 
 
@@ -32,3 +35,15 @@ def test_unknown_option_is_a_usage_error():
     proc = subprocess.run([sys.executable, "-m", "sdcguard.cli", "drill", "--nodez", "3"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unrecognized arguments: --nodez" in proc.stderr
+
+
+def test_a_placement_must_name_a_pod_and_node_per_simulated_node(tmp_path):
+    placement = tmp_path / "placement.json"
+    placement.write_text('{"namespace": "demo", "job": "j", "nodes": [{"pod": "p0", "node": "n0"}]}')
+    proc = subprocess.run([sys.executable, "-m", "sdcguard.cli", "drill", "--nodes", "3", "--placement", str(placement)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and 'needs "nodes": a list of 3 {"pod", "node"} objects' in proc.stderr, proc.stderr
+    placement.write_text('{"job": "j", "nodes": [{"pod": "p0", "node": "n0"}]}')
+    proc = subprocess.run([sys.executable, "-m", "sdcguard.cli", "drill", "--nodes", "1", "--placement", str(placement)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and 'needs "namespace"' in proc.stderr, proc.stderr

@@ -8,7 +8,7 @@ import pathlib
 import kubernetes
 import pytest
 import yaml
-from aws_emulator import start_aws
+from sdcguard.sandbox.sagemaker import start_aws
 from conftest import new_instance
 
 from sdcguard_operator import cli, hyperpod, incident, localize

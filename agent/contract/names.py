@@ -46,6 +46,14 @@ ALARM_KEY_FILE = f"{ALARM_KEY_MOUNT}/{ALARM_KEY_DATA_KEY}"
 ALARM_SIGNATURE_SCHEME = "v1"
 """``sdcguard.dev/alarm-signature: v1=<hex HMAC-SHA256(key, UTF-8 alarm annotation)>``."""
 
+# -- HyperPod's own labels on the EKS nodes of a cluster (read by the operator, set by the sandbox) --
+HYPERPOD_CLUSTER_LABEL = "sagemaker.amazonaws.com/cluster-name"
+HYPERPOD_GROUP_LABEL = "sagemaker.amazonaws.com/instance-group-name"
+
+# -- the operator's webhooks: kopf serves each at POST /<handler id> (the chart and sandbox call them)
+POD_WEBHOOK_ID = "sdcguard-pod-inject"
+REPLACEMENT_WEBHOOK_ID = "sdcguard-nodereplacement-admission"
+
 # -- the operator's marks on nodes and objects ----------------------------------------------------
 SUSPECT_LABEL = f"{GROUP}/suspect"
 INCIDENT_ANNOTATION = f"{GROUP}/incident"

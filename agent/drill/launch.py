@@ -2,7 +2,8 @@
 
 It is the first-run demo and the user's fault-injection release test. The parent process checks
 every argument before any process starts, launches one worker per rank (simulated node ``k`` is
-``drill-node-<k>``), streams their timeline, then judges the alarms and writes the JSON report.
+``drill-node-<k>``, or the pod and node ``--placement`` names: the sandbox's, so that the alarm
+names real objects), streams their timeline, then judges the alarms and writes the JSON report.
 Exit status: 0 drill passed, 1 a fault was missed or misattributed, a resume was unsafe or an
 alarm is unexplained, 2 bad input, 3 the run itself failed.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..contract import alarm as _alarm
-from ..contract import spool
+from ..contract import names, spool
 from .report import build_report, print_summary
 from ..faults.spec import FaultSpec, FaultSpecError, parse_fault
 
@@ -43,8 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "verified state before the alarm's suspect window")
     parser.add_argument("--checkpoint-every", type=int, default=0,
                         help="save a verified checkpoint every K steps; resume restarts from the alarm's last good checkpoint")
+    parser.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
+                        help="keep the checkpoints here (default: the drill's temporary directory, removed at the end)")
     parser.add_argument("--report", type=Path, help="write the JSON report here")
     parser.add_argument("--spool", type=Path, help="alarm spool directory (default: a temporary one)")
+    parser.add_argument("--placement", type=Path, metavar="FILE",
+                        help='JSON {"namespace", "job", "nodes": [{"pod", "node"}, ...]}: simulated node k runs as '
+                             "that pod on that node of that job (what the downward API gives a real pod; "
+                             "sdcguard demo writes it for its sandbox)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                         help="gloo on CPU; auto picks nccl when enough GPUs exist")
@@ -59,6 +66,10 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("audit_every", "weight_check_every", "checkpoint_every"):
         if getattr(args, name) < 0:
             raise DrillInputError(f"--{name.replace('_', '-')} must be >= 0")
+    if args.checkpoint_dir is not None and not args.checkpoint_every:
+        raise DrillInputError("--checkpoint-dir needs --checkpoint-every")
+    if args.checkpoint_dir is not None and args.checkpoint_dir.exists() and not args.checkpoint_dir.is_dir():
+        raise DrillInputError(f"--checkpoint-dir {args.checkpoint_dir} is not a directory")
     nodes, world = _layout(args.nodes, args.world_size, args.ranks_per_node)
     try:
         faults = [parse_fault(text, world) for text in args.inject]
@@ -73,7 +84,27 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "faults": [f.as_dict() for f in faults], "on_alarm": args.on_alarm, "seed": args.seed,
         "backend": _backend(args.backend, world), "timeout_s": args.timeout,
         "print_every": max(1, args.steps // 10),
+        "placement": _placement(args.placement, nodes) if args.placement else None,
+        "checkpoint_dir": str(args.checkpoint_dir.resolve()) if args.checkpoint_dir else None,
     }
+
+
+def _placement(path: Path, nodes: int) -> dict[str, Any]:
+    """The ``--placement`` file, checked: a pod and a node per simulated node, and the job."""
+    try:
+        placement = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise DrillInputError(f"--placement {path}: {exc}") from None
+    entries = placement.get("nodes") if isinstance(placement, dict) else None
+    if not isinstance(entries, list) or len(entries) != nodes or not all(
+            isinstance(e, dict) and isinstance(e.get("pod"), str) and isinstance(e.get("node"), str) and e["pod"]
+            and e["node"] for e in entries):
+        raise DrillInputError(f"--placement {path}: needs \"nodes\": a list of {nodes} {{\"pod\", \"node\"}} objects")
+    for key in ("namespace", "job"):
+        if not isinstance(placement.get(key), str) or not placement[key]:
+            raise DrillInputError(f"--placement {path}: needs \"{key}\"")
+    return {"namespace": placement["namespace"], "job": placement["job"],
+            "nodes": [{"pod": e["pod"], "node": e["node"]} for e in entries]}
 
 
 def _check_targets(faults: list[FaultSpec]) -> None:
@@ -110,7 +141,10 @@ def run(cfg: dict[str, Any], report_path: Path | None, spool_dir: Path | None) -
         if any(codes) or None in results:
             print(f"[drill] run failed: worker exit codes {codes}", file=sys.stderr)
             return 3
-        alarms = [_alarm.loads(p.read_text()) for p in spool.list_alarms(cfg["spool"])]
+        # A sidecar may already have published some (moved to published/): the same records.
+        paths = spool.list_alarms(cfg["spool"]) + spool.list_alarms(Path(cfg["spool"], spool.PUBLISHED_DIR))
+        alarms = list({a["id"]: a for a in sorted((_alarm.loads(p.read_text()) for p in paths),
+                                                   key=lambda a: a["time"])}.values())
     report = build_report(cfg, results, alarms)
     print_summary(report)
     if report_path:
@@ -129,9 +163,14 @@ def _launch(cfg: dict[str, Any]) -> list[int]:
             "RANK": str(rank), "WORLD_SIZE": str(cfg["world_size"]),
             "LOCAL_RANK": str(rank % cfg["ranks_per_node"]),
             "LOCAL_WORLD_SIZE": str(cfg["ranks_per_node"]),
-            "NODE_NAME": f"drill-node-{rank // cfg['ranks_per_node']}",
+            names.ENV_NODE_NAME: f"drill-node-{rank // cfg['ranks_per_node']}",
             "OMP_NUM_THREADS": "1",
         }
+        if cfg.get("placement"):
+            where = cfg["placement"]["nodes"][rank // cfg["ranks_per_node"]]
+            env.update({names.ENV_POD_NAME: where["pod"], names.ENV_NODE_NAME: where["node"],
+                        names.ENV_POD_NAMESPACE: cfg["placement"]["namespace"],
+                        names.ENV_JOB_NAME: cfg["placement"]["job"], names.ENV_JOB_KIND: names.JOB_KIND})
         procs.append(subprocess.Popen([sys.executable, "-m", "sdcguard.drill.worker", str(config_path)], env=env))
     try:
         return [p.wait() for p in procs]

@@ -161,7 +161,8 @@ def _step(cfg: dict[str, Any], job: Trainer, injector: FaultInjector, rank: int,
     batches = [make_batch(cfg["seed"], step, rank, m) for m in range(cfg["micro_batches"])]
     loss = job.guard.train_step(step, micro_batches=batches)
     if cfg["checkpoint_every"] and step % cfg["checkpoint_every"] == 0:
-        job.guard.save_checkpoint(str(Path(cfg["workdir"], "checkpoints", f"step-{step}.pt")), step)
+        job.guard.save_checkpoint(str(Path(cfg.get("checkpoint_dir") or Path(cfg["workdir"], "checkpoints"),
+                                           f"step-{step}.pt")), step)
     return loss
 
 

@@ -1,8 +1,12 @@
-"""A local SageMaker endpoint for tests: moto's server plus the HyperPod calls moto lacks.
+"""The sandbox's SageMaker endpoint: moto's server plus the HyperPod calls moto lacks.
+
+A SANDBOX, never a production path: dummy credentials, state in memory, health checks that pass
+or fail as scripted. ``sdcguard sandbox`` / ``make demo`` point the real operator (boto3) at it, and
+the test suite uses the same one.
 
 Usage::
 
-    from aws_emulator import start_aws                  # tests/ is on sys.path under pytest
+    from sdcguard.sandbox.sagemaker import start_aws
 
     aws = start_aws()                                    # http://127.0.0.1:<port>, in a thread
     aws.env()                                            # AWS_* variables for boto3 / the operator
@@ -77,7 +81,7 @@ class _State:
     def script(self, instance_id: str) -> dict[str, Any]:
         return self.scripts.setdefault(instance_id, {
             "health": "pass", "health_errors": [], "replace": [], "health_polls": 1, "replace_polls": 1,
-            "health_delay": 0.0, "replace_delay": 0.0,
+            "health_delay": 0.0, "replace_delay": 0.0, "health_message": "",
         })
 
 
@@ -234,8 +238,14 @@ class _HyperPodNode(ClusterNode):
     def describe(self) -> dict[str, Any]:
         octets = int(self.instance_id[-6:], 16)
         ip = f"10.{(octets >> 16) & 255}.{(octets >> 8) & 255}.{octets & 255}"
-        return {**super().describe(), "PrivatePrimaryIp": ip,
-                "PrivateDnsHostname": f"ip-{ip.replace('.', '-')}.{self.region_name}.compute.internal"}
+        answer = {**super().describe(), "PrivatePrimaryIp": ip,
+                  "PrivateDnsHostname": f"ip-{ip.replace('.', '-')}.{self.region_name}.compute.internal"}
+        message = {"Failure": (STATE.scripts.get(self.instance_id) or {}).get("health_message")
+                   or "deep health check failed", "Running": "", "ShuttingDown": "replacement in progress",
+                   "DeepHealthCheckInProgress": "deep health check in progress"}.get(self.status)
+        if message is not None:
+            answer["InstanceStatus"] = {"Status": self.status, "Message": message}
+        return answer
 
 
 def _node(cluster: Any, instance_id: str, group: str) -> ClusterNode:
@@ -338,7 +348,8 @@ class RunningAWS:
         return self._post("/_hyperpod/cluster", {"name": name, "region": self.region, "nodes": nodes})
 
     def script(self, instance_id: str, **behaviour: Any) -> None:
-        """Set ``health`` ("pass"/"fail"), ``health_errors``, ``replace`` (list of outcomes), ``*_polls``."""
+        """Set ``health`` ("pass"/"fail"), ``health_message`` (what a failed check reports),
+        ``health_errors``, ``replace`` (list of outcomes), ``*_polls``, ``*_delay``."""
         self._post("/_hyperpod/script", {"instance_id": instance_id, **behaviour})
 
     def chaos(self, rate: float, seed: int | None = None, slow: float | None = None) -> None:

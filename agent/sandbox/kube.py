@@ -1,16 +1,21 @@
-"""A Kubernetes API emulator for tests: kmock's KubernetesEmulator, served over real HTTP.
+"""The sandbox's Kubernetes API: kmock's KubernetesEmulator, served over real HTTP on 127.0.0.1.
 
-Usage (any test, any thread)::
+A SANDBOX, never a production path: no RBAC on ordinary requests, no TLS, no persistence, no
+schema validation. It exists so that ``sdcguard sandbox`` / ``make demo`` can run the real operator,
+sidecar, kubectl and ``kubectl sdcguard`` against something that answers like an API server, and
+the test suite uses the same one (SPEC §8: real clients over HTTP; the server side is adapted).
 
-    from kube_emulator import start_emulator          # tests/ is on sys.path under pytest
+Usage (any thread)::
 
-    kube = start_emulator(tmp_path)                    # serves http://127.0.0.1:<port> in a thread
+    from sdcguard.sandbox.kube import start_emulator
+
+    kube = start_emulator(workdir)                     # serves http://127.0.0.1:<port> in a thread
     kube.url                                           # "http://127.0.0.1:41234"
     kube.kubeconfig                                    # path of a kubeconfig for kubectl, kopf, clients
     kube.api_client()                                  # a kubernetes.client.ApiClient bound to it
     kube.stop()
 
-or ``with start_emulator(tmp_path) as kube: ...``.  ``KUBECONFIG=kube.kubeconfig`` works for kubectl
+or ``with start_emulator(workdir) as kube: ...``.  ``KUBECONFIG=kube.kubeconfig`` works for kubectl
 and for subprocesses (kopf, the sidecar).  Objects must be created through the API (objects put
 straight into the store emit no watch events).
 
@@ -125,7 +130,7 @@ class _DirectDispatch(kmock.KubernetesScaffold):
 
 @attrs.define(kw_only=True)
 class Faults:
-    """Server-side fault injection for requests made by some users (the operator), not the test's own.
+    """Server-side fault injection for requests made by some users (the operator), not the caller's own.
 
     Each request of a user in ``users`` is, with probability ``rate``, answered with one of
     ``codes`` (500, 409, 429: the Status a real API server sends) or stalled for ``stall`` seconds
@@ -217,7 +222,7 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
         if isinstance(fault, float):
             await asyncio.sleep(fault)
         elif isinstance(fault, int):
-            return _status(fault, _FAULT_REASONS.get(fault, "InternalError"), f"injected by the test ({fault})")
+            return _status(fault, _FAULT_REASONS.get(fault, "InternalError"), f"injected ({fault})")
         if request.resource is not None and request.action in (enums.action.CREATE, enums.action.UPDATE,
                                                                enums.action.DELETE) \
                 and request.params.get("watch") not in ("True", "1", "true") and request.url.path != SAR_PATH:
@@ -230,7 +235,7 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
         if refused is not None:
             return aiohttp.web.json_response(
                 {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": refused,
-                 "reason": "Invalid", "message": "rejected by the test"}, status=refused)
+                 "reason": "Invalid", "message": "rejected (injected)"}, status=refused)
         if request.url.path == SAR_PATH and str(request.method.value).upper() == "POST":
             return self._review_access(request)
         if request.action == enums.action.UPDATE and request.resource is not None:
@@ -275,7 +280,7 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
             in self.grants)
         answer = {**review, "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
                   "metadata": {"creationTimestamp": None},
-                  "status": {"allowed": allowed, "reason": "granted by the test policy" if allowed else ""}}
+                  "status": {"allowed": allowed, "reason": "granted by the sandbox policy" if allowed else ""}}
         self.access_reviews.append(answer)
         return aiohttp.web.json_response(answer, status=201)
 
@@ -454,19 +459,34 @@ def _label(obj: dict[str, Any], key: str) -> Any:
     return ((obj.get("metadata") or {}).get("labels") or {}).get(key)
 
 
+#: The project's CRDs, copied from deploy/crds by ``make manifests`` (shipped with the package).
+CRD_DIR = pathlib.Path(__file__).resolve().parent / "crds"
+
+
 def _load_printer_columns() -> dict[str, list[dict[str, Any]]]:
-    """additionalPrinterColumns of the project's CRDs (deploy/crds), by plural."""
+    """additionalPrinterColumns of the project's CRDs, by plural."""
     import yaml
 
     columns = {}
-    for path in sorted((pathlib.Path(__file__).resolve().parents[1] / "deploy" / "crds").glob("*.yaml")):
+    for path in sorted(CRD_DIR.glob("*.yaml")):
         crd = yaml.safe_load(path.read_text())
         columns[crd["spec"]["names"]["plural"]] = crd["spec"]["versions"][0].get("additionalPrinterColumns", [])
     return columns
 
 
-#: Server-side printing (``kubectl get`` asks for a Table) of our CRDs, as the API server does it.
-PRINTER_COLUMNS = _load_printer_columns()
+_AGE = {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}
+#: Server-side printing (``kubectl get`` asks for a Table) of our CRDs, as the API server does it,
+#: and of pods and nodes in the columns people look for (``@…``: computed, see ``_COMPUTED``).
+PRINTER_COLUMNS = {
+    **_load_printer_columns(),
+    "pods": [{"name": "Status", "type": "string", "jsonPath": ".status.phase"},
+             {"name": "Node", "type": "string", "jsonPath": ".spec.nodeName"}, _AGE],
+    "nodes": [{"name": "Status", "type": "string", "jsonPath": "@node-status"}, _AGE],
+}
+_COMPUTED: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "@node-status": lambda node: "Ready" + (",SchedulingDisabled" if (node.get("spec") or {}).get("unschedulable")
+                                            else ""),
+}
 
 
 def _jsonpath(obj: Any, path: str) -> Any:
@@ -497,6 +517,7 @@ def _table(payload: dict[str, Any], columns: list[dict[str, Any]]) -> dict[str, 
         {"name": c["name"], "type": c["type"], "format": c.get("format", ""), "description": c.get("description", ""),
          "priority": c.get("priority", 0)} for c in columns]
     rows = [{"cells": [item["metadata"]["name"]] + [
+        _COMPUTED[c["jsonPath"]](item) if c["jsonPath"] in _COMPUTED else
         _age(_jsonpath(item, c["jsonPath"])) if c["type"] == "date" else _jsonpath(item, c["jsonPath"])
         for c in columns], "object": {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
                                       "metadata": item["metadata"]}} for item in items]

@@ -1,0 +1,121 @@
+"""``sdcguard demo`` closes the whole loop in the sandbox; ``sdcguard sandbox`` serves it until
+stopped. Both leave nothing running (every process that carries the work directory is gone)."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.operator, pytest.mark.multiprocess]
+BINDIR = pathlib.Path(sys.prefix) / "bin"
+ENV = {**os.environ, "PATH": f"{BINDIR}:{os.environ.get('PATH', '')}", "PYTHONSAFEPATH": "1"}
+
+
+def _left_running(marker: str, exclude: int) -> list[str]:
+    """Processes (other than ``exclude`` and this one) whose command line or environment names ``marker``."""
+    found = []
+    for proc in pathlib.Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) in (os.getpid(), exclude):
+            continue
+        try:
+            text = (proc / "cmdline").read_bytes() + (proc / "environ").read_bytes()
+            state = (proc / "stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in text and state != "Z":
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ")[:200]
+            found.append(f"{proc.name}: {command!r}")
+    return found
+
+
+def test_demo_closes_the_loop_and_stops_everything(tmp_path: pathlib.Path) -> None:
+    workdir, report = tmp_path / "demo", tmp_path / "demo-report.json"
+    started = time.monotonic()
+    done = subprocess.run([str(BINDIR / "sdcguard"), "demo", "--workdir", str(workdir), "--report", str(report)],
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    took = time.monotonic() - started
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-8000:]
+    drill = json.loads(report.read_text())
+    assert drill["passed"] and len(drill["alarms"]) == 1
+    alarm = drill["alarms"][0]
+    # The ranks took the sandbox's identities: the alarm names a real pod and node of the job.
+    suspect = alarm["suspects"][0]
+    assert alarm["check"] == "replay" and alarm["step"] == 8 and suspect["rank"] == 3
+    assert suspect["pod"] == "llm-pretrain-worker-1" and suspect["node"].startswith("hyperpod-i-")
+    assert alarm["job"] == {"kind": "PyTorchJob", "name": "llm-pretrain", "namespace": "demo"}
+    assert alarm["suspect_window"] == {"first_step": 5, "last_step": 8} and alarm["last_good_checkpoint_step"] == 4
+    # The real sidecar published it (moved to published/), and the operator acted on it.
+    assert list((workdir / "spool" / "published").glob(f"{alarm['id']}*"))
+    assert "sidecar injected into every pod" in out
+    assert re.search(r"PendingApproval\s+Failed", out), out[-6000:]
+    assert "approved by oncall@example.com (groups: sdcguard-approvers)" in out
+    assert re.search(r"Replaced\s+Failed\s+Approved", out)
+    assert f"{suspect['node']} cordoned: True" in out and "suspended: True" in out
+    assert "approved by oncall@example.com (recorded by the admission webhook)" in out
+    assert "pytorchjob.kubeflow.org/llm-pretrain patched" in out  # the person resumes the job
+    assert re.search(r"llm-pretrain-worker-1\s+Running\s+hyperpod-i-", out)
+    assert "resume from" in out and "step-4.pt (step 4)" in out and "4 steps at risk" in out
+    assert re.search(r"OK .*step-4\.pt: step 4, .* on an audited step", out)
+    # The operator logged the whole incident as it happened.
+    operator_log = "".join(p.read_text() for p in workdir.glob("operator-*.log"))
+    assert "BatchReplaceClusterNodes" in operator_log or "replace" in operator_log.lower()
+    assert _left_running(str(workdir), exclude=-1) == []
+    print(f"demo took {took:.0f}s")
+
+
+def test_sandbox_serves_until_interrupted(tmp_path: pathlib.Path) -> None:
+    workdir = tmp_path / "sandbox"
+    proc = subprocess.Popen([str(BINDIR / "sdcguard"), "sandbox", "--workdir", str(workdir), "--nodes", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        assert proc.stdout is not None
+        lines = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("Raise an alarm"):
+                break
+        text = "".join(lines)
+        kubeconfig = re.search(r"KUBECONFIG=(\S+)", text)
+        assert kubeconfig, text
+        env = {**ENV, "KUBECONFIG": kubeconfig.group(1)}
+        nodes = subprocess.run([str(BINDIR / "kubectl"), "get", "nodes", "-o", "json"], capture_output=True,
+                               text=True, env=env, timeout=60)
+        assert nodes.returncode == 0, nodes.stderr
+        items = json.loads(nodes.stdout)["items"]
+        assert len(items) == 2 and all(i["metadata"]["name"].startswith("hyperpod-i-") for i in items)
+        assert all(i["metadata"]["labels"]["sagemaker.amazonaws.com/cluster-name"] for i in items)
+        jobs = subprocess.run([str(BINDIR / "kubectl"), "get", "pytorchjobs", "-n", "demo", "-o", "json"],
+                              capture_output=True, text=True, env=env, timeout=60)
+        assert json.loads(jobs.stdout)["items"][0]["metadata"]["annotations"]["sdcguard.dev/enabled"] == "true"
+        assert (workdir / "placement.json").exists()
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, text + rest
+        assert "stopped" in rest
+        assert _left_running(str(workdir), exclude=proc.pid) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_bad_input_is_refused(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "x").write_text("")
+    done = subprocess.run([str(BINDIR / "sdcguard"), "demo", "--workdir", str(tmp_path)], capture_output=True,
+                          text=True, timeout=60, env=ENV)
+    assert done.returncode == 2 and "not empty" in done.stderr
+    done = subprocess.run([str(BINDIR / "sdcguard"), "sandbox", "--nodes", "0"], capture_output=True,
+                          text=True, timeout=60, env=ENV)
+    assert done.returncode == 2 and "--nodes" in done.stderr
