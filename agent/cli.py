@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from pathlib import Path
 
@@ -70,7 +71,16 @@ def _drill(args: argparse.Namespace) -> int:
     except drill.DrillInputError as exc:
         print(f"sdcguard drill: error: {exc}", file=sys.stderr)
         return 2
-    return drill.run(cfg, args.report, args.spool)
+    signal.signal(signal.SIGTERM, _interrupted)  # stop the ranks and remove the work directory, as Ctrl-C does
+    try:
+        return drill.run(cfg, args.report, args.spool)
+    except KeyboardInterrupt:
+        print("sdcguard drill: interrupted", file=sys.stderr)
+        return 130
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

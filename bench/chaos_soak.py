@@ -141,7 +141,8 @@ class Soak:
         # The SageMaker calls come late in an incident (after the health check is due), so a short
         # run can end its fault phase before any call was faulted; it then runs on (bounded) until
         # ``min_aws_faults`` have struck, so every run exercises the AWS retry paths.
-        self.min_aws_faults, self.max_extra_seconds = min_aws_faults, max_extra_seconds
+        self.min_aws_faults = min_aws_faults if aws_fault_rate > 0 else 0
+        self.max_extra_seconds = max_extra_seconds
         self.api_fault_rate, self.aws_fault_rate, self.kill_every = api_fault_rate, aws_fault_rate, kill_every
         self.seed = seed
         self.world = OperatorWorld(

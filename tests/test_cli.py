@@ -16,6 +16,7 @@ CASES = [
     (["--placement", "/nonexistent/placement.json"], "--placement /nonexistent/placement.json:"),
     (["--placement", "/dev/null"], "--placement /dev/null: Expecting value"),
     (["--checkpoint-dir", "/tmp/x"], "--checkpoint-dir needs --checkpoint-every"),
+    (["--checkpoint-every", "2", "--checkpoint-dir", "/dev/null"], "--checkpoint-dir /dev/null is not a directory"),
 ]
 
 

@@ -12,8 +12,17 @@ import pytest
 pytestmark = pytest.mark.multiprocess
 
 
-def drill(tmp_path_factory, name, *args):
+def drill(tmp_path_factory, name, *args, stale_alarm=False):
     out = tmp_path_factory.mktemp(name)
+    if stale_alarm:  # what an earlier run left in the same spool, published by its sidecar
+        from sdcguard.contract import alarm, spool
+        me = {"rank": 0, "pod": None, "node": "drill-node-0"}
+        record = alarm.make_alarm(alarm_id="0123456789ab-1-replay-step4", job=None, check="replay", step=4,
+                                  suspect_ranks=[0], identities={0: me}, ambiguous=False, reporter_rank=0,
+                                  evidence={}, last_verified_step=0, last_good_checkpoint=None)
+        record["time"] = "2026-01-01T00:00:00.000Z"
+        (out / "spool" / spool.PUBLISHED_DIR).mkdir(parents=True)
+        spool.write_alarm(out / "spool" / spool.PUBLISHED_DIR, record)
     proc = subprocess.run(
         [sys.executable, "-m", "sdcguard.cli", "drill", "--nodes", "3", "--ranks-per-node", "2",
          "--report", str(out / "report.json"), "--spool", str(out / "spool"), *args],
@@ -28,7 +37,8 @@ SAME_RUN = ["--steps", "20", "--micro-batches", "2"]  # what the bitwise compari
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
-    return drill(tmp_path_factory, "clean", *SAME_RUN, "--audit-every", "4", "--weight-check-every", "1")
+    return drill(tmp_path_factory, "clean", *SAME_RUN, "--audit-every", "4", "--weight-check-every", "1",
+                 stale_alarm=True)
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +128,7 @@ def test_timeline_is_printed(many_faults):
 def test_clean_run_raises_no_alarm(clean):
     proc, report, out = clean
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # (the spool's published/ holds an earlier run's alarm: not this run's)
     assert report["alarms"] == [] and report["stopped_at_step"] is None
     assert report["steps_completed"] == 20 and report["passed"]
     assert not list((out / "spool").glob("*.alarm.json"))

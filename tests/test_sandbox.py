@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import queue
 import re
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 import pytest
@@ -35,6 +38,7 @@ def _left_running(marker: str, exclude: int) -> list[str]:
     return found
 
 
+@pytest.mark.timeout(400)
 def test_demo_closes_the_loop_and_stops_everything(tmp_path: pathlib.Path) -> None:
     workdir, report = tmp_path / "demo", tmp_path / "demo-report.json"
     started = time.monotonic()
@@ -61,32 +65,77 @@ def test_demo_closes_the_loop_and_stops_everything(tmp_path: pathlib.Path) -> No
     assert f"{suspect['node']} cordoned: True" in out and "suspended: True" in out
     assert "approved by oncall@example.com (recorded by the admission webhook)" in out
     assert "pytorchjob.kubeflow.org/llm-pretrain patched" in out  # the person resumes the job
-    assert re.search(r"llm-pretrain-worker-1\s+Running\s+hyperpod-i-", out)
+    assert "No resources found in demo namespace" in out  # while suspended
     assert "resume from" in out and "step-4.pt (step 4)" in out and "4 steps at risk" in out
     assert re.search(r"OK .*step-4\.pt: step 4, .* on an audited step", out)
-    # The operator logged the whole incident as it happened.
-    operator_log = "".join(p.read_text() for p in workdir.glob("operator-*.log"))
-    assert "BatchReplaceClusterNodes" in operator_log or "replace" in operator_log.lower()
+    # The replaced node's pod came back on the fresh node, not on the suspect one.
+    [moved] = re.findall(r"llm-pretrain-worker-1\s+Running\s+(hyperpod-i-\w+)", out)[-1:]
+    assert moved != suspect["node"]
+    assert "BatchReplaceClusterNodes accepted" in out and "instance replaced by fresh hardware" in out
     assert _left_running(str(workdir), exclude=-1) == []
     print(f"demo took {took:.0f}s")
 
 
-def test_sandbox_serves_until_interrupted(tmp_path: pathlib.Path) -> None:
+def _read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> str:
+    """What ``proc`` printed up to the line starting with ``marker`` (or up to EOF / the timeout);
+    read by a thread, so a silent process cannot hang the test."""
+    assert proc.stdout is not None
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in iter(proc.stdout.readline, "")] and None,
+                     daemon=True).start()
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        seen.append(line)
+        if line.lstrip().startswith(marker):
+            break
+    proc.reader = lines  # type: ignore[attr-defined]  # the rest, for the caller
+    return "".join(seen)
+
+
+def _rest(proc: subprocess.Popen[str], timeout: float) -> str:
+    """Wait for ``proc`` to exit; what it printed after ``_read_until``."""
+    proc.wait(timeout)
+    time.sleep(0.2)
+    lines = proc.reader  # type: ignore[attr-defined]
+    return "".join(lines.get() for _ in range(lines.qsize()))
+
+
+@pytest.mark.timeout(300)
+def test_demo_stopped_midway_leaves_nothing_running(tmp_path: pathlib.Path) -> None:
+    workdir = tmp_path / "demo"
+    drill_dirs = set(pathlib.Path(tempfile.gettempdir()).glob("sdcguard-drill-*"))
+    proc = subprocess.Popen([str(BINDIR / "sdcguard"), "demo", "--workdir", str(workdir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        text = _read_until(proc, "+", timeout=120)  # the drill's first line: its ranks are starting
+        assert "[drill]" in text, text
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)
+        rest = _rest(proc, timeout=60)
+        assert proc.returncode == 130, text + rest
+        assert "interrupted; everything it started has stopped" in rest
+        time.sleep(1)  # SIGKILLed children (PR_SET_PDEATHSIG) are reaped by init
+        assert _left_running(str(workdir), exclude=proc.pid) == []
+        # the drill, stopped by SIGTERM, removed its temporary directory
+        assert set(pathlib.Path(tempfile.gettempdir()).glob("sdcguard-drill-*")) == drill_dirs
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.mark.timeout(300)
+def test_sandbox_serves_until_stopped(tmp_path: pathlib.Path) -> None:
     workdir = tmp_path / "sandbox"
     proc = subprocess.Popen([str(BINDIR / "sdcguard"), "sandbox", "--workdir", str(workdir), "--nodes", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     try:
-        assert proc.stdout is not None
-        lines = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("Raise an alarm"):
-                break
-        text = "".join(lines)
+        text = _read_until(proc, "then decide", timeout=120)
         kubeconfig = re.search(r"KUBECONFIG=(\S+)", text)
         assert kubeconfig, text
         env = {**ENV, "KUBECONFIG": kubeconfig.group(1)}
@@ -100,8 +149,9 @@ def test_sandbox_serves_until_interrupted(tmp_path: pathlib.Path) -> None:
                               capture_output=True, text=True, env=env, timeout=60)
         assert json.loads(jobs.stdout)["items"][0]["metadata"]["annotations"]["sdcguard.dev/enabled"] == "true"
         assert (workdir / "placement.json").exists()
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=60)
+        assert "grad-bitflip:rank=3" in text and "--checkpoint-dir" in text
+        proc.send_signal(signal.SIGTERM)  # as kubectl delete / systemd / a terminal closing would
+        rest = _rest(proc, timeout=60)
         assert proc.returncode == 0, text + rest
         assert "stopped" in rest
         assert _left_running(str(workdir), exclude=proc.pid) == []
@@ -113,9 +163,11 @@ def test_sandbox_serves_until_interrupted(tmp_path: pathlib.Path) -> None:
 
 def test_bad_input_is_refused(tmp_path: pathlib.Path) -> None:
     (tmp_path / "x").write_text("")
-    done = subprocess.run([str(BINDIR / "sdcguard"), "demo", "--workdir", str(tmp_path)], capture_output=True,
-                          text=True, timeout=60, env=ENV)
-    assert done.returncode == 2 and "not empty" in done.stderr
+    for workdir in (tmp_path, tmp_path / "x"):  # not empty; not a directory
+        for command in ("demo", "sandbox"):
+            done = subprocess.run([str(BINDIR / "sdcguard"), command, "--workdir", str(workdir)], capture_output=True,
+                                  text=True, timeout=60, env=ENV)
+            assert done.returncode == 2 and "is not an empty directory" in done.stderr, done.stderr
     done = subprocess.run([str(BINDIR / "sdcguard"), "sandbox", "--nodes", "0"], capture_output=True,
                           text=True, timeout=60, env=ENV)
     assert done.returncode == 2 and "--nodes" in done.stderr

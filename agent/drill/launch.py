@@ -10,15 +10,18 @@ alarm is unexplained, 2 bad input, 3 the run itself failed.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from ..contract import alarm as _alarm
+from ..child_process import die_with_parent
 from ..contract import names, spool
 from .report import build_report, print_summary
 from ..faults.spec import FaultSpec, FaultSpecError, parse_fault
@@ -136,15 +139,13 @@ def run(cfg: dict[str, Any], report_path: Path | None, spool_dir: Path | None) -
     with tempfile.TemporaryDirectory(prefix="sdcguard-drill-") as workdir:
         cfg = {**cfg, "workdir": workdir, "spool": str(spool_dir or Path(workdir, "spool"))}
         _print_header(cfg)
+        started = time.time()
         codes = _launch(cfg)
         results = [_read_json(Path(workdir, f"rank-{r}.json")) for r in range(cfg["world_size"])]
         if any(codes) or None in results:
             print(f"[drill] run failed: worker exit codes {codes}", file=sys.stderr)
             return 3
-        # A sidecar may already have published some (moved to published/): the same records.
-        paths = spool.list_alarms(cfg["spool"]) + spool.list_alarms(Path(cfg["spool"], spool.PUBLISHED_DIR))
-        alarms = list({a["id"]: a for a in sorted((_alarm.loads(p.read_text()) for p in paths),
-                                                   key=lambda a: a["time"])}.values())
+        alarms = _alarms_since(cfg["spool"], started)
     report = build_report(cfg, results, alarms)
     print_summary(report)
     if report_path:
@@ -171,13 +172,35 @@ def _launch(cfg: dict[str, Any]) -> list[int]:
             env.update({names.ENV_POD_NAME: where["pod"], names.ENV_NODE_NAME: where["node"],
                         names.ENV_POD_NAMESPACE: cfg["placement"]["namespace"],
                         names.ENV_JOB_NAME: cfg["placement"]["job"], names.ENV_JOB_KIND: names.JOB_KIND})
-        procs.append(subprocess.Popen([sys.executable, "-m", "sdcguard.drill.worker", str(config_path)], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", "sdcguard.drill.worker", str(config_path)], env=env,
+                                      preexec_fn=die_with_parent))
     try:
         return [p.wait() for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def _alarms_since(spool_dir: str, started: float) -> list[dict[str, Any]]:
+    """This run's alarm records: in the spool, or already moved to ``published/`` by a sidecar
+    (a sidecar may move one while we read), and none an earlier run left in the same spool."""
+    records: dict[str, dict[str, Any]] = {}
+    published = Path(spool_dir, spool.PUBLISHED_DIR)
+    for path in spool.list_alarms(spool_dir) + spool.list_alarms(published):
+        for candidate in (path, published / path.name):
+            try:
+                record = _alarm.loads(candidate.read_text())
+            except FileNotFoundError:
+                continue
+            if _alarm_time(record["time"]) >= started - 1.0:  # the record's time has milliseconds
+                records[record["id"]] = record
+            break
+    return sorted(records.values(), key=lambda a: a["time"])
+
+
+def _alarm_time(text: str) -> float:
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
 def _backend(choice: str, world: int) -> str:

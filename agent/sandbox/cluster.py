@@ -26,6 +26,7 @@ import sys
 import time
 from typing import Any, Callable
 
+from ..child_process import die_with_parent
 from ..contract import names
 from .kube import start_emulator
 from .sagemaker import start_aws
@@ -39,6 +40,11 @@ BINDIR = pathlib.Path(sys.prefix) / "bin"
 #: The environment's own kubectl (``make tools`` puts one there), else the one on PATH.
 KUBECTL = str(BINDIR / "kubectl") if (BINDIR / "kubectl").exists() else shutil.which("kubectl") or "kubectl"
 INSTANCE_TYPE = "ml.p5.48xlarge"
+
+#: The ``sdcguard`` command: the console script beside this Python, else the module.
+SDCGUARD = [str(BINDIR / "sdcguard")] if (BINDIR / "sdcguard").exists() else [sys.executable, "-m", "sdcguard.cli"]
+WORKDIR_ENV = "SDCGUARD_SANDBOX_DIR"
+"""Set in every process the sandbox starts (its work directory): what "nothing left running" looks for."""
 
 #: Short operator delays, so a sandbox incident takes seconds (the chart's defaults are minutes).
 FAST_SETTINGS = {
@@ -63,13 +69,6 @@ def free_port() -> int:
 def listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def die_with_parent() -> None:
-    """Linux: a child gets SIGKILL when the process that started it dies (nothing left running)."""
-    import ctypes
-
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def new_instance() -> str:
@@ -99,7 +98,10 @@ class Sandbox:
         self.custom = kubernetes.client.CustomObjectsApi(self.api)
         self.metrics_port = free_port()
         self.webhook_port = free_port()  # the pod and NodeReplacement webhooks register in the same kopf
-        self.env = {**os.environ, **self.aws.env(), "KUBECONFIG": str(self.kube.kubeconfig), "KUBECTL": KUBECTL,
+        # The caller's own SDCGUARD_* / AWS_* settings must not reach the sandbox's processes.
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith(("SDCGUARD_", "AWS_"))}
+        self.env = {**inherited, **self.aws.env(), "KUBECONFIG": str(self.kube.kubeconfig), "KUBECTL": KUBECTL,
+                    WORKDIR_ENV: str(self.workdir), "PYTHONSAFEPATH": "1",
                     "PATH": f"{BINDIR}:{os.environ.get('PATH', '')}",
                     "SDCGUARD_CLUSTER_NAME": cluster, "SDCGUARD_METRICS_PORT": str(self.metrics_port),
                     "SDCGUARD_WEBHOOK_PORT": str(self.webhook_port), "SDCGUARD_OPERATOR_USERNAME": OPERATOR_USER,
@@ -110,8 +112,8 @@ class Sandbox:
         if admission:
             self.kube.grant("user:tester", "approve", f"{names.REPLACEMENTS}.{names.GROUP}")
             self.admission(True)
-        if pod_webhook:
-            self.kube.admit("v1/pods", self.pod_webhook_url, POD_WEBHOOK)
+        if pod_webhook:  # as the chart registers it: pods are admitted unchanged while it is down
+            self.kube.admit("v1/pods", self.pod_webhook_url, POD_WEBHOOK, failure_policy="Ignore")
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -128,21 +130,22 @@ class Sandbox:
     def start_operator(self, via_kopf: bool = False) -> None:
         """``sdcguard operator``, or ``kopf run -m sdcguard_operator --standalone`` with ``via_kopf``."""
         self.starts += 1
-        log = open(self.workdir / f"operator-{self.starts}.log", "wb")
         command = [str(BINDIR / "kopf"), "run", "-m", "sdcguard_operator", "--standalone", "--all-namespaces"] \
-            if via_kopf else [str(BINDIR / "sdcguard"), "operator"]
-        self.proc = subprocess.Popen(command, env=self.operator_env, stdout=log, stderr=subprocess.STDOUT,
-                                     preexec_fn=die_with_parent)
+            if via_kopf else [*SDCGUARD, "operator"]
+        with open(self.workdir / f"operator-{self.starts}.log", "wb") as log:
+            self.proc = subprocess.Popen(command, env=self.operator_env, stdout=log, stderr=subprocess.STDOUT,
+                                         preexec_fn=die_with_parent)
         if self.kube.emulator.webhooks:  # those writes fail (failurePolicy Fail) until it listens
-            self.wait(lambda: listening(self.webhook_port), timeout=60, what="the operator's webhooks")
+            self.wait(lambda: listening(self.webhook_port), timeout=60, what="the operator's webhooks",
+                      require_operator=True)
 
     def spawn_operator(self, tag: str, **env: str) -> subprocess.Popen[bytes]:
         """One more ``sdcguard operator`` replica (a second pod of the Deployment), logging to
         ``operator-<tag>.log``; the caller kills it. Replicas share the metrics and webhook ports'
         settings, so a later one serves neither: give it its own with ``env``."""
-        log = open(self.workdir / f"operator-{tag}.log", "ab")
-        return subprocess.Popen([str(BINDIR / "sdcguard"), "operator"], env={**self.operator_env, **env},
-                                stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        with open(self.workdir / f"operator-{tag}.log", "ab") as log:
+            return subprocess.Popen([*SDCGUARD, "operator"], env={**self.operator_env, **env},
+                                    stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
 
     def kill_operator(self) -> None:
         """SIGKILL: no graceful shutdown, exactly like a crashed pod."""
@@ -250,12 +253,17 @@ class Sandbox:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
             return response.read().decode()
 
-    def wait(self, predicate: Callable[[], Any], timeout: float = 45, what: str = "condition") -> Any:
+    def wait(self, predicate: Callable[[], Any], timeout: float = 45, what: str = "condition",
+             require_operator: bool = False) -> Any:
         """Poll until ``predicate()`` is truthy (API errors count as "not yet"); else SandboxTimeout
-        with the operator log's tail."""
+        with the operator log's tail — at once if ``require_operator`` and the operator has exited."""
         deadline = time.monotonic() + timeout
         last: Any = None
         while time.monotonic() < deadline:
+            if require_operator and (self.proc is None or self.proc.poll() is not None):
+                code = None if self.proc is None else self.proc.returncode
+                raise SandboxTimeout(f"the operator is not running (exit status {code}) while waiting for "
+                                     f"{what}\n--- operator log tail ---\n" + self.log()[-6000:])
             try:
                 last = predicate()
             except Exception as exc:  # noqa: BLE001 - e.g. 404 before the object exists

@@ -13,7 +13,10 @@
    waits for a person.
 4. The demo shows ``kubectl get sdcincidents,nodereplacements``, approves with
    ``kubectl sdcguard approve`` as an on-call engineer (the admission webhook records who), waits
-   for ``Replaced`` and prints the timeline, ending with the checkpoint to resume from.
+   for ``Replaced`` (the sandbox stands in for HyperPod: the fresh instance joins as a node).
+5. The on-call engineer resumes the job (``kubectl patch``; the sandbox stands in for the
+   training operator: the pods come back, one on the new node), and the demo prints the timeline,
+   ending with the checkpoint to resume from, checked with ``sdcguard verify-checkpoint``.
 
 It stops everything it started (``--keep`` leaves the sandbox up until Ctrl-C instead); exit 0
 when the loop closed, 1 when a step did not happen (what was waited for is printed), 2 bad input.
@@ -23,10 +26,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import pathlib
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,8 +37,9 @@ import time
 from typing import Any
 
 from ..contract import names
-from .cluster import BINDIR, KUBECTL, Sandbox, SandboxTimeout, die_with_parent
-from .training import TrainingJob, injected_sidecar, start_training_job, sync_replaced_nodes
+from ..child_process import die_with_parent
+from .cluster import BINDIR, KUBECTL, SDCGUARD, Sandbox, SandboxTimeout
+from .training import StandIns, TrainingJob, injected_sidecar, key_mounted_in, start_training_job
 
 NODES, RANKS_PER_NODE, STEPS = 3, 2, 12
 AUDIT_EVERY, WEIGHT_CHECK_EVERY, CHECKPOINT_EVERY = 4, 2, 2
@@ -79,22 +83,26 @@ class Demo:
     # -- the loop -------------------------------------------------------------------------------
     def run(self, keep: bool) -> int:
         self.section("1. a stand-in HyperPod cluster on 127.0.0.1 (sdcguard sandbox)")
+        self.say(f"work directory (kubeconfigs, logs, spool, checkpoints): {self.workdir}")
         with Sandbox(self.workdir, admission=True, pod_webhook=True) as sandbox:
             sandbox.start_operator()
             training = start_training_job(sandbox, nodes=NODES, annotations={
                 names.AUDIT_EVERY_ANNOTATION: str(AUDIT_EVERY),
                 names.WEIGHT_CHECK_EVERY_ANNOTATION: str(WEIGHT_CHECK_EVERY)})
+            stand_ins = StandIns(sandbox, training).start()
             try:
                 self.cluster(sandbox, training)
                 self.train(sandbox, training)
                 pending = self.contain(sandbox, training)
                 self.approve(sandbox, training, pending)
+                self.resume(sandbox, training)
                 self.timeline(sandbox, training)
                 if keep:
                     from .serve import instructions, wait_for_interrupt
                     self.say(instructions(sandbox, training))
                     wait_for_interrupt()
             finally:
+                stand_ins.stop()
                 training.stop_sidecar()
         self.say(f"\n[demo] everything it started has stopped; logs and kubeconfigs in {self.workdir}")
         return 0
@@ -107,10 +115,11 @@ class Demo:
         settings = ", ".join(f"{k}={v}" for k, v in sorted(training.settings.items()))
         self.say(f"pod webhook: sidecar {'injected into every pod' if injected else 'NOT injected'}; "
                  f"training container env {settings or '(none)'}")
-        self.say(f"alarm key Secret {names.ALARM_KEY_SECRET_PREFIX}{training.job} created by the operator, "
-                 "mounted into the sidecar only")
-        if not injected:
-            raise SandboxTimeout("the operator's pod webhook did not inject the sidecar")
+        mounts = {tuple(key_mounted_in(sandbox, training.namespace, pod)) for pod in training.pods}
+        self.say(f"alarm key Secret {names.ALARM_KEY_SECRET_PREFIX}{training.job} created by the operator; "
+                 f"mounted in: {', '.join(sorted({c for m in mounts for c in m})) or 'no container'}")
+        if not injected or mounts != {(names.SIDECAR_CONTAINER,)}:
+            raise SandboxTimeout("the operator's pod webhook did not inject the sidecar with the key mounted in it only")
         # The stand-in for a failing GPU: HyperPod's stress test fails on the instance the fault is on.
         sandbox.aws.script(training.instances[FAULT_RANK // RANKS_PER_NODE], health="fail",
                            health_message=HEALTH_MESSAGE, health_polls=2)
@@ -120,19 +129,28 @@ class Demo:
         self.suspect = training.nodes[FAULT_RANK // RANKS_PER_NODE]
         self.say(f"rank {FAULT_RANK} runs on {self.suspect}: from step {FAULT_STEP} its gradients are silently wrong")
         report = self.report_path or self.workdir / "drill-report.json"
-        command = [str(BINDIR / "sdcguard"), "drill", "--nodes", str(NODES), "--ranks-per-node", str(RANKS_PER_NODE),
+        command = [*SDCGUARD, "drill", "--nodes", str(NODES), "--ranks-per-node", str(RANKS_PER_NODE),
                    "--steps", str(STEPS), "--audit-every", str(AUDIT_EVERY),
                    "--weight-check-every", str(WEIGHT_CHECK_EVERY), "--checkpoint-every", str(CHECKPOINT_EVERY),
                    "--inject", FAULT, "--placement", str(training.placement), "--spool", str(training.spool),
                    "--checkpoint-dir", str(self.workdir / "checkpoints"), "--report", str(report)]
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                preexec_fn=die_with_parent, env={**os.environ, "PYTHONSAFEPATH": "1"})
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            self.say(f"  {self.elapsed()} | {line.rstrip()}")
-            if self.fault_seen is None and f"step {FAULT_STEP:4d}" in line:
-                self.fault_seen = time.time()
-        code = proc.wait()
+                                preexec_fn=die_with_parent, env=sandbox.env)
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                self.say(f"  {self.elapsed()} | {line.rstrip()}")
+                if self.fault_seen is None and f"step {FAULT_STEP:4d}" in line:
+                    self.fault_seen = time.time()
+            code = proc.wait()
+        finally:
+            if proc.poll() is None:  # interrupted: the drill stops its ranks and removes its files
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()  # its ranks die with it (die_with_parent)
+                    proc.wait(10)
         if code != 0:
             raise SandboxTimeout(f"the drill exited {code} (see above)")
         self.drill = json.loads(report.read_text())
@@ -152,6 +170,10 @@ class Demo:
         cordoned, label = sandbox.node_state(suspect)
         self.say(f"job {ns}/{training.job} suspended: {sandbox.job_suspended(ns, training.job)}; "
                  f"node {suspect} cordoned: {cordoned}, label {names.SUSPECT_LABEL}={label}")
+        sandbox.wait(lambda: not sandbox.core.list_namespaced_pod(ns).items, timeout=30,
+                     what="the suspended job's pods to be deleted", require_operator=True)
+        self.say("(the sandbox, standing in for the training operator, deleted the suspended job's pods)")
+        self.show(sandbox, "get", "pods", "-n", ns)
         return replacement
 
     def approve(self, sandbox: Sandbox, training: TrainingJob, replacement: dict[str, Any]) -> None:
@@ -160,19 +182,28 @@ class Demo:
         self.show(sandbox, "sdcguard", "approve", name, "--reason", "stress test failed on GPU 1; replace it",
                   kubeconfig=training.approver_kubeconfig)
         sandbox.wait(lambda: (sandbox.replacement(name).get("status") or {}).get("phase") == "Replaced",
-                     timeout=60, what=f"NodeReplacement {name} to be Replaced")
+                     timeout=60, what=f"NodeReplacement {name} to be Replaced", require_operator=True)
         ns = training.namespace
         sandbox.wait(lambda: all((i.get("status") or {}).get("phase") == "Resolved" for i in sandbox.incidents(ns)),
-                     timeout=30, what="the incident to be Resolved")
-        for old, new in sync_replaced_nodes(sandbox, training):
-            self.say(f"HyperPod: {old} is gone; the fresh instance joins as {new}, and its pod is scheduled there")
+                     timeout=30, what="the incident to be Resolved", require_operator=True)
+        sandbox.wait(lambda: training.replaced, timeout=30, what="the fresh instance's node")
+        for old, new in training.replaced:
+            self.say(f"(the sandbox, standing in for HyperPod: {old} left the cluster, the fresh instance "
+                     f"joined as {new})")
         self.show(sandbox, "get", "sdcincidents,nodereplacements", "-n", ns)
         self.show(sandbox, "sdcguard", "incidents", kubeconfig=training.approver_kubeconfig)
-        # Resuming is the person's step (the operator never restarts a job): unsuspend it, with the
-        # training script pointed at the incident's resumeFrom.
+
+    def resume(self, sandbox: Sandbox, training: TrainingJob) -> None:
+        """Resuming is the person's step (the operator never restarts a job): unsuspend it, with the
+        training script pointed at the incident's resumeFrom."""
+        self.section(f"5. {training.approver} resumes the job")
+        ns = training.namespace
         self.show(sandbox, "patch", "pytorchjob", training.job, "-n", ns, "--type", "merge",
                   "-p", '{"spec": {"runPolicy": {"suspend": false}}}', kubeconfig=training.approver_kubeconfig)
         self.resumed_at = time.time()
+        placed = dict(zip(training.pods, training.nodes))
+        sandbox.wait(lambda: {p.metadata.name: p.spec.node_name for p in sandbox.core.list_namespaced_pod(ns).items}
+                     == placed, timeout=30, what="the job's pods on its nodes again")
         self.show(sandbox, "get", "pods", "-n", ns)
 
     def timeline(self, sandbox: Sandbox, training: TrainingJob) -> None:
@@ -187,13 +218,15 @@ class Demo:
         events = {e["event"]: e for e in status.get("timeline") or []}
         events.update({f"nr:{e['event']}": e for e in (replacement.get("status") or {}).get("timeline") or []})
         published = sorted(training.spool.joinpath("published").glob(f"{alarm['id']}*"))
+        struck = sorted(f["step"] for f in self.drill.get("fired", []) if FAULT_RANK in f["ranks"])
         rows: list[tuple[float | None, str]] = [
-            (self.fault_seen, f"fault injected: from step {FAULT_STEP}, rank {FAULT_RANK} on {self.suspect} "
-                              "(every step after it too)"),
+            (self.fault_seen, f"fault injected on rank {FAULT_RANK} ({self.suspect}) at steps "
+                              f"{', '.join(map(str, struck)) or 'none'}"),
             (_stamp(alarm["time"]), f"alarm '{alarm['check']}' at step {alarm['step']}: rank "
                                     f"{', '.join(str(r) for r in alarm['suspect_ranks'])} named; suspect window "
                                     f"{alarm['suspect_window']['first_step']}..{alarm['suspect_window']['last_step']}"),
-            (published[0].stat().st_mtime if published else None, "the sidecar published the signed alarm Event"),
+            # st_ctime: when the sidecar moved the record to published/, after the Event existed
+            (published[0].stat().st_ctime if published else None, "the sidecar published the signed alarm Event"),
         ]
         for key, text in (("Opened", "operator verified the signature; SDCIncident opened"),
                           ("JobSuspended", f"job {training.namespace}/{training.job} suspended"),
@@ -216,14 +249,14 @@ class Demo:
         self.say(f"\nresume from {resume} (step {status.get('resumeFromStep')}): the newest checkpoint before "
                  f"the suspect window {window.get('first_step')}..{window.get('last_step')}; "
                  f"{status.get('stepsAtRisk')} steps at risk")
-        self.verify(resume)
+        self.verify(sandbox, resume)
         self.say(f"[demo] the loop closed in {time.time() - self.started:.0f}s")
 
-    def verify(self, checkpoint: str) -> None:
+    def verify(self, sandbox: Sandbox, checkpoint: str) -> None:
         """``sdcguard verify-checkpoint`` on the resume point, as the person resuming would."""
         self.say(f"$ sdcguard verify-checkpoint {checkpoint}")
-        done = subprocess.run([str(BINDIR / "sdcguard"), "verify-checkpoint", checkpoint], capture_output=True,
-                              text=True, env={**os.environ, "PYTHONSAFEPATH": "1"}, timeout=120)
+        done = subprocess.run([*SDCGUARD, "verify-checkpoint", checkpoint], capture_output=True,
+                              text=True, env=sandbox.env, timeout=120)
         self.say("\n".join("  " + line for line in (done.stdout + done.stderr).rstrip().splitlines()))
         if done.returncode != 0:
             raise SandboxTimeout(f"the resume checkpoint did not verify (exit {done.returncode})")
@@ -253,14 +286,20 @@ def main(argv: list[str]) -> int:
         print(f"sdcguard demo: error: kubectl not found in {BINDIR} or on PATH (make tools installs it)",
               file=sys.stderr)
         return 2
-    workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="sdcguard-demo-"))
-    if args.workdir is not None and args.workdir.exists() and any(args.workdir.iterdir()):
-        print(f"sdcguard demo: error: --workdir {args.workdir} is not empty", file=sys.stderr)
+    if args.workdir is not None and args.workdir.exists() and (not args.workdir.is_dir() or any(args.workdir.iterdir())):
+        print(f"sdcguard demo: error: --workdir {args.workdir} is not an empty directory", file=sys.stderr)
         return 2
+    workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="sdcguard-demo-"))
+    signal.signal(signal.SIGTERM, _interrupt)  # like Ctrl-C: everything started is stopped on the way out
     try:
         return Demo(workdir, args.report).run(args.keep)
     except SandboxTimeout as exc:
-        print(f"\n[demo] FAILED: {exc}", file=sys.stderr)
+        print(f"\n[demo] FAILED: {exc}\n[demo] logs in {workdir}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        print(f"\n[demo] interrupted; everything it started has stopped; logs in {workdir}", file=sys.stderr)
         return 130
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

@@ -50,7 +50,7 @@ Added for sdcguard's approval model (server-side, like the API server's own part
   ``admission.k8s.io/v1`` AdmissionReview carrying the authenticated user, old and new object; a
   denial is answered as the API server does ("admission webhook "<name>" denied the request:
   ..."), an allowed JSONPatch is applied before the object is stored, and an unreachable webhook
-  fails the request (``failurePolicy: Fail``).
+  fails the request (``failurePolicy: Fail``, the default) or is skipped (``Ignore``).
 
 Fault injection (``kube.inject(rate, users={...})``): a share of the requests of the named users
 is answered 500 / 409 / 429 or stalled for seconds, server-side, like an overloaded API server.
@@ -198,8 +198,9 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
     grants: set[tuple[str, str, str, str]] = attrs.field(factory=set, init=False)
     """(subject, verb, group, plural): what SubjectAccessReviews allow; subject ``user:X`` or ``group:X``."""
     access_reviews: list[dict[str, Any]] = attrs.field(factory=list, init=False)
-    webhooks: dict[str, tuple[str, str]] = attrs.field(factory=dict, init=False)
-    """"group/version/plural" -> (webhook name, URL) of a mutating admission webhook (failurePolicy Fail)."""
+    webhooks: dict[str, tuple[str, str, str]] = attrs.field(factory=dict, init=False)
+    """"group/version/plural" -> (webhook name, URL, failurePolicy "Fail" or "Ignore") of a mutating
+    admission webhook."""
     admission_reviews: list[dict[str, Any]] = attrs.field(factory=list, init=False)
     faults: Faults = attrs.field(factory=Faults, init=False)
     """Server-side fault injection (``RunningEmulator.inject``)."""
@@ -287,7 +288,7 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
     async def _admit(self, request: rendering.Request) -> aiohttp.web.StreamResponse | None:
         """Call the resource's admission webhook as the API server would; None: go on and store."""
         assert request.resource is not None
-        webhook_name, url = self.webhooks[_path(request.resource)]
+        webhook_name, url, policy = self.webhooks[_path(request.resource)]
         info = self.resources.get(request.resource)
         key = (request.resource, request.namespace, request.name)
         old = None
@@ -320,7 +321,9 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
             async with aiohttp.ClientSession() as session:
                 async with session.post(url, json=review, timeout=aiohttp.ClientTimeout(total=10)) as answer:
                     response = (await answer.json())["response"]
-        except Exception as exc:  # noqa: BLE001 — failurePolicy: Fail
+        except Exception as exc:  # noqa: BLE001 — the webhook's failurePolicy decides
+            if policy == "Ignore":
+                return None
             return _status(500, "InternalError", f'Internal error occurred: failed calling webhook "{webhook_name}": '
                            f"{type(exc).__name__}: {exc}")
         if not response.get("allowed"):
@@ -597,13 +600,14 @@ class RunningEmulator:
         plural, _, group = resource.partition(".")
         self.emulator.grants.add((subject, verb, group, plural))
 
-    def admit(self, resource: str, url: str | None, name: str = "webhook.test") -> None:
+    def admit(self, resource: str, url: str | None, name: str = "webhook.test", failure_policy: str = "Fail") -> None:
         """Send CREATE/UPDATE of ``resource`` ("group/version/plural") to the admission webhook at
-        ``url`` from now on; ``url=None``: no webhook (as if its configuration were removed)."""
+        ``url`` from now on; ``url=None``: no webhook (as if its configuration were removed).
+        ``failure_policy``: an unreachable webhook fails the request ("Fail") or is skipped ("Ignore")."""
         if url is None:
             self.emulator.webhooks.pop(resource, None)
         else:
-            self.emulator.webhooks[resource] = (name, url)
+            self.emulator.webhooks[resource] = (name, url, failure_policy)
 
     def api_client(self) -> Any:
         """A ``kubernetes.client.ApiClient`` for this emulator (the client's global config is untouched)."""

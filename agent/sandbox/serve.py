@@ -15,8 +15,8 @@ import sys
 import tempfile
 import threading
 
-from .cluster import BINDIR, Sandbox
-from .training import TrainingJob, start_training_job
+from .cluster import BINDIR, Sandbox, SandboxTimeout
+from .training import StandIns, TrainingJob, start_training_job
 
 
 def instructions(sandbox: Sandbox, training: TrainingJob) -> str:
@@ -32,11 +32,17 @@ Point kubectl at it, as the on-call approver ({training.approver}):
 Raise an alarm from a real DDP run whose ranks are its pods (the sidecar publishes it):
 
   sdcguard drill --nodes {len(training.nodes)} --ranks-per-node 2 --audit-every 4 --checkpoint-every 2 \\
-      --inject grad-bitflip:rank=3:step=6:every=1 --placement {training.placement} --spool {training.spool}
+      --inject grad-bitflip:rank={_rank(len(training.nodes))}:step=6:every=1 --placement {training.placement} \\
+      --spool {training.spool} --checkpoint-dir {d}/checkpoints
 
 then decide:  kubectl sdcguard approve NAME   (or deny NAME)
 Logs: {d}/operator-*.log, {d}/sidecar.log
 """
+
+
+def _rank(nodes: int) -> int:
+    """A rank on the second node (the first one's if there is one node) of 2 ranks per node."""
+    return 3 if nodes >= 2 else 1
 
 
 def wait_for_interrupt() -> None:
@@ -61,14 +67,31 @@ def main(argv: list[str]) -> int:
     if args.nodes < 1:
         print("sdcguard sandbox: error: --nodes must be >= 1", file=sys.stderr)
         return 2
+    if args.workdir is not None and args.workdir.exists() and (not args.workdir.is_dir() or any(args.workdir.iterdir())):
+        print(f"sdcguard sandbox: error: --workdir {args.workdir} is not an empty directory", file=sys.stderr)
+        return 2
     workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="sdcguard-sandbox-"))
-    with Sandbox(workdir, admission=True, pod_webhook=True) as sandbox:
-        sandbox.start_operator()
-        training = start_training_job(sandbox, nodes=args.nodes)
-        try:
-            print(instructions(sandbox, training), flush=True)
-            wait_for_interrupt()
-        finally:
-            training.stop_sidecar()
+    print(f"sdcguard sandbox: starting in {workdir}", flush=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # while starting; wait_for_interrupt handles it after
+    try:
+        with Sandbox(workdir, admission=True, pod_webhook=True) as sandbox:
+            sandbox.start_operator()
+            training = start_training_job(sandbox, nodes=args.nodes)
+            stand_ins = StandIns(sandbox, training).start()
+            try:
+                print(instructions(sandbox, training), flush=True)
+                wait_for_interrupt()
+            finally:
+                stand_ins.stop()
+                training.stop_sidecar()
+    except SandboxTimeout as exc:
+        print(f"sdcguard sandbox: error: {exc}\nlogs in {workdir}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
     print("sdcguard sandbox: stopped", flush=True)
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

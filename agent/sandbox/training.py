@@ -3,10 +3,15 @@
 :func:`start_training_job` builds, in a running :class:`~.cluster.Sandbox` whose operator is up:
 HyperPod nodes, a PyTorchJob annotated ``sdcguard.dev/enabled`` and one worker pod per node
 (created through the operator's pod webhook, so they carry the injected sidecar and its env), the
-job's alarm key mounted as a file the way the kubelet mounts the Secret into the sidecar
+job's alarm key written as a file the way the kubelet mounts the Secret into the sidecar
 container, and that sidecar — the real ``sdcguard sidecar`` — running against the sandbox's API
 as the pod's service account. It writes ``placement.json``, which ``sdcguard drill --placement``
 reads so that its ranks run as those pods on those nodes.
+
+:class:`StandIns` plays the two parts of a real cluster that are neither sdcguard nor emulated
+APIs: the training operator (a suspended job's pods are deleted; when it is resumed they are
+created again on the job's nodes) and HyperPod's node lifecycle (a replaced instance's node leaves
+the cluster and the fresh instance joins under its own name).
 
 One sidecar stands for the pods' sidecars: on one machine every rank writes to one spool (in a
 cluster each pod has its own ``emptyDir`` and its own sidecar; the records are the same).
@@ -14,14 +19,18 @@ cluster each pod has its own ``emptyDir`` and its own sidecar; the records are t
 from __future__ import annotations
 
 import json
-import os
+import logging
 import pathlib
 import subprocess
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..child_process import die_with_parent
 from ..contract import names
-from .cluster import BINDIR, Sandbox, die_with_parent, new_instance
+from .cluster import SDCGUARD, Sandbox, new_instance
+
+log = logging.getLogger("sdcguard.sandbox")
 
 APPROVERS_GROUP = "sdcguard-approvers"
 """The group the sandbox's approver belongs to; granted the ``approve`` verb, as the chart's
@@ -33,6 +42,7 @@ class TrainingJob:
     namespace: str
     job: str
     nodes: list[str]
+    """Pod i runs on nodes[i] (updated when a node is replaced)."""
     instances: list[str]
     pods: list[str]
     spool: pathlib.Path
@@ -43,6 +53,8 @@ class TrainingJob:
     sidecar_log: pathlib.Path | None = None
     settings: dict[str, str] = field(default_factory=dict)
     """The pod env the webhook injected into the training container (``SDCGUARD_*``)."""
+    replaced: list[tuple[str, str]] = field(default_factory=list)
+    """(old node, new node) for every node HyperPod replaced."""
 
     def stop_sidecar(self, timeout: float = 30) -> None:
         """SIGTERM, as the kubelet stops a native sidecar: it publishes what is left, then exits."""
@@ -74,64 +86,101 @@ def start_training_job(sandbox: Sandbox, *, namespace: str = "demo", job: str = 
     key_file.write_bytes(key)
     spool = workdir / "spool"
     spool.mkdir(exist_ok=True)
-    placement = workdir / "placement.json"
     sandbox.kube.grant(f"group:{APPROVERS_GROUP}", "approve", f"{names.REPLACEMENTS}.{names.GROUP}")
-    token = approver.split("@")[0]
-    approver_kubeconfig = sandbox.user(token, approver, [APPROVERS_GROUP])
+    approver_kubeconfig = sandbox.user(approver.split("@")[0], approver, [APPROVERS_GROUP])
     training = TrainingJob(namespace=namespace, job=job, nodes=node_names, instances=instances, pods=pods,
-                           spool=spool, placement=placement, approver_kubeconfig=approver_kubeconfig,
+                           spool=spool, placement=workdir / "placement.json", approver_kubeconfig=approver_kubeconfig,
                            approver=approver, settings=_injected_env(sandbox, namespace, pods[0]))
     write_placement(training)
-    sidecar_user = f"system:serviceaccount:{namespace}:default"
-    env = {**os.environ, "KUBECONFIG": str(sandbox.user("sidecar", sidecar_user)),
+    env = {**sandbox.env, "KUBECONFIG": str(sandbox.user("sidecar", f"system:serviceaccount:{namespace}:default")),
            names.ENV_POD_NAME: pods[0], names.ENV_POD_NAMESPACE: namespace, names.ENV_NODE_NAME: node_names[0]}
     training.sidecar_log = workdir / "sidecar.log"
-    training.sidecar = subprocess.Popen(
-        [str(BINDIR / "sdcguard"), "sidecar", "--spool", str(spool), "--key-file", str(key_file),
-         "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--poll-interval", "0.2", "--log-format", "plain"],
-        env=env, stdout=open(training.sidecar_log, "wb"), stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+    with open(training.sidecar_log, "wb") as out:
+        training.sidecar = subprocess.Popen(
+            [*SDCGUARD, "sidecar", "--spool", str(spool), "--key-file", str(key_file), "--metrics-host", "127.0.0.1",
+             "--metrics-port", "0", "--poll-interval", "0.2", "--log-format", "plain"],
+            env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
     return training
-
-
-def _injected_env(sandbox: Sandbox, namespace: str, pod: str) -> dict[str, str]:
-    """``SDCGUARD_*`` values the pod webhook put into the training container (empty without it)."""
-    body: Any = sandbox.core.read_namespaced_pod(pod, namespace)
-    containers = body.spec.containers or []
-    env = containers[0].env or [] if containers else []
-    return {e.name: e.value for e in env if e.name.startswith("SDCGUARD_") and e.value is not None}
-
-
-def injected_sidecar(sandbox: Sandbox, namespace: str, pod: str) -> bool:
-    """Whether the pod webhook added the sidecar container (as a native sidecar init container)."""
-    body: Any = sandbox.core.read_namespaced_pod(pod, namespace)
-    return any(c.name == names.SIDECAR_CONTAINER for c in (body.spec.init_containers or []) + body.spec.containers)
-
-
-def sync_replaced_nodes(sandbox: Sandbox, training: TrainingJob) -> list[tuple[str, str]]:
-    """What HyperPod and the training operator do after a replacement: the old instance's node
-    leaves the cluster, the fresh instance joins as ``hyperpod-<id>`` with the same labels, and the
-    pod that ran on the old node is created again on the new one (``placement.json`` follows).
-    Returns (old node, new node) pairs."""
-    statuses = sandbox.aws.node_statuses(sandbox.cluster)
-    fresh = [i for i in statuses if i not in training.instances]
-    moved = []
-    for index, instance in enumerate(list(training.instances)):
-        if instance in statuses or not fresh:
-            continue
-        new_instance_id = fresh.pop(0)
-        old = training.nodes[index]
-        sandbox.core.delete_node(old)
-        new = sandbox.node(new_instance_id, register=False)  # SageMaker already has it
-        pod = training.pods[index]
-        sandbox.core.delete_namespaced_pod(pod, training.namespace)
-        sandbox.pod(training.namespace, pod, training.job, new)
-        training.instances[index], training.nodes[index] = new_instance_id, new
-        moved.append((old, new))
-    write_placement(training)
-    return moved
 
 
 def write_placement(training: TrainingJob) -> None:
     """``placement.json`` for ``sdcguard drill --placement``: simulated node k runs as pod k on node k."""
     training.placement.write_text(json.dumps({"namespace": training.namespace, "job": training.job, "nodes": [
         {"pod": pod, "node": node} for pod, node in zip(training.pods, training.nodes)]}, indent=1) + "\n")
+
+
+def _pod(sandbox: Sandbox, namespace: str, pod: str) -> Any:
+    return sandbox.core.read_namespaced_pod(pod, namespace)
+
+
+def _injected_env(sandbox: Sandbox, namespace: str, pod: str) -> dict[str, str]:
+    """``SDCGUARD_*`` values the pod webhook put into the training container (empty without it)."""
+    containers = _pod(sandbox, namespace, pod).spec.containers or []
+    env = (containers[0].env or []) if containers else []
+    return {e.name: e.value for e in env if e.name.startswith("SDCGUARD_") and e.value is not None}
+
+
+def injected_sidecar(sandbox: Sandbox, namespace: str, pod: str) -> bool:
+    """Whether the pod webhook added the sidecar container (as a native sidecar init container)."""
+    spec = _pod(sandbox, namespace, pod).spec
+    return any(c.name == names.SIDECAR_CONTAINER for c in (spec.init_containers or []) + spec.containers)
+
+
+def key_mounted_in(sandbox: Sandbox, namespace: str, pod: str) -> list[str]:
+    """The containers of the pod that mount the job's alarm key volume."""
+    spec = _pod(sandbox, namespace, pod).spec
+    return [c.name for c in (spec.init_containers or []) + spec.containers
+            if any(m.name == names.ALARM_KEY_VOLUME for m in c.volume_mounts or [])]
+
+
+class StandIns:
+    """The training operator's and HyperPod's parts (module doc), polled from a daemon thread."""
+
+    def __init__(self, sandbox: Sandbox, training: TrainingJob, interval: float = 0.3) -> None:
+        self.sandbox, self.training, self.interval = sandbox, training, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sandbox-stand-ins", daemon=True)
+
+    def start(self) -> "StandIns":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.replace_nodes()
+                self.follow_suspension()
+            except Exception:  # noqa: BLE001 — a stand-in must not die of one failed request
+                log.exception("sandbox stand-ins: retrying")
+
+    def replace_nodes(self) -> None:
+        """HyperPod: an instance gone from the SageMaker cluster takes its node with it; the fresh
+        instance that took its place joins as ``hyperpod-<id>`` (the pod follows when the job runs)."""
+        sandbox, training = self.sandbox, self.training
+        statuses = sandbox.aws.node_statuses(sandbox.cluster)
+        fresh = [i for i in statuses if i not in training.instances]
+        for index, instance in enumerate(list(training.instances)):
+            if instance in statuses or not fresh:
+                continue
+            old, new_id = training.nodes[index], fresh.pop(0)
+            sandbox.core.delete_node(old)
+            new = sandbox.node(new_id, register=False)  # SageMaker already has it
+            training.instances[index], training.nodes[index] = new_id, new
+            training.replaced.append((old, new))
+            write_placement(training)
+
+    def follow_suspension(self) -> None:
+        """The training operator: a suspended job has no pods; a running one has one per node."""
+        sandbox, training = self.sandbox, self.training
+        suspended = sandbox.job_suspended(training.namespace, training.job)
+        existing = {p.metadata.name for p in sandbox.core.list_namespaced_pod(
+            training.namespace, label_selector=f"{names.JOB_NAME_LABEL}={training.job}").items}
+        for pod, node in zip(training.pods, training.nodes):
+            if suspended and pod in existing:
+                sandbox.core.delete_namespaced_pod(pod, training.namespace)
+            elif not suspended and pod not in existing:
+                sandbox.pod(training.namespace, pod, training.job, node)
