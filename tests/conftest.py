@@ -106,8 +106,11 @@ def make_world(tmp_path_factory: pytest.TempPathFactory):
         return world
 
     yield factory
+    pruned = [path for world in worlds for path in world.kube.emulator.pruned]
     for world in reversed(worlds):  # kmock's resolver hooks nest: stop the emulators last-in, first-out
         world.close()
+    # A real API server would have dropped these fields silently: the operator must write none.
+    assert pruned == [], f"fields the CRD schemas do not declare (a real API server prunes them): {pruned}"
 
 
 def dump(obj: Any) -> str:

@@ -56,8 +56,13 @@ Fault injection (``kube.inject(rate, users={...})``): a share of the requests of
 is answered 500 / 409 / 429 or stalled for seconds, server-side, like an overloaded API server.
 ``coordination.k8s.io/v1`` leases are served (leader election).
 
-Still not emulated: set-based selectors, watching from a resourceVersion, PUT, RBAC on ordinary requests, CRD validation
-(schemas, CEL rules), /status isolation (a status patch may change spec too).
+Our CRDs' schemas are applied server-side as for a structural schema: unknown fields are pruned
+(each one recorded in ``kube.emulator.pruned``, so tests can insist on none), nulls of
+non-nullable fields dropped, wrong types and values outside an enum answered 422.
+
+Still not emulated: set-based selectors, watching from a resourceVersion, PUT, RBAC on ordinary
+requests, the CRDs' CEL rules and other schema keywords (formats, patterns, bounds, ``required``),
+/status isolation (a status patch may change spec too).
 """
 from __future__ import annotations
 
@@ -204,6 +209,9 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
     admission_reviews: list[dict[str, Any]] = attrs.field(factory=list, init=False)
     faults: Faults = attrs.field(factory=Faults, init=False)
     """Server-side fault injection (``RunningEmulator.inject``)."""
+    pruned: list[str] = attrs.field(factory=list, init=False)
+    """"plural/name: path" of every field a write carried that the CRD's schema does not declare,
+    dropped as the API server prunes unknown fields of a structural schema."""
     conflicts: int = attrs.field(default=0, init=False)
     """How many writes were refused with 409 for a stale ``metadata.resourceVersion`` (not injected)."""
     _writes: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
@@ -247,6 +255,11 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
             denied = await self._admit(request)
             if denied is not None:
                 return denied
+        if request.resource is not None and request.action in (enums.action.CREATE, enums.action.UPDATE) \
+                and str(request.resource.plural) in SCHEMAS:
+            invalid = self._structural(request)
+            if invalid is not None:
+                return invalid
         if request.resource is not None and request.params.get("watch") in ("True", "1", "true"):
             return await self._stream_watch(request)
         if request.action == enums.action.CREATE and isinstance(request.data, dict):
@@ -339,6 +352,42 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
             request.data.update(final)
         else:  # store exactly what was admitted
             object.__setattr__(request, "data", jsonpatch.make_patch(old, final).patch)
+        return None
+
+    def _structural(self, request: rendering.Request) -> aiohttp.web.StreamResponse | None:
+        """Prune and validate a custom resource against its CRD's schema, as the API server does
+        for a structural schema: unknown fields are dropped (recorded in ``pruned``), nulls of
+        non-nullable fields too, and a wrong type or a value outside an enum answers 422."""
+        assert request.resource is not None
+        plural = str(request.resource.plural)
+        if request.action == enums.action.CREATE:
+            old, new = None, copy.deepcopy(request.data)
+        else:
+            stored = self._objects._objects.get((request.resource, request.namespace, request.name))
+            if stored is None or stored.deleted:
+                return None  # the ordinary 404
+            old = copy.deepcopy(dict(stored.raw))
+            try:
+                new = copy.deepcopy(dict(dicts.patch_dict(old, request.data)))
+            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException):
+                return None  # kmock answers it (a failed JSON-patch test: 422)
+        name = request.name or (new.get("metadata") or {}).get("name")
+        errors: list[str] = []
+        dropped: list[str] = []
+        final = _prune(new, SCHEMAS[plural], "", dropped, errors, root=True)
+        if errors:
+            info = self.resources.get(request.resource)
+            return _status(422, "Invalid", f'{info.kind if info else plural}.{request.resource.group} "{name}" is '
+                           f"invalid: {'; '.join(errors)}")
+        self.pruned.extend(f"{plural}/{name}: {path}" for path in dropped)
+        if final == new:
+            return None
+        if request.action == enums.action.CREATE:
+            request.data.clear()
+            request.data.update(final)
+        else:  # what is stored is the pruned object; a JSON patch keeps its preconditions
+            tests = [op for op in request.data if op.get("op") == "test"] if isinstance(request.data, list) else []
+            object.__setattr__(request, "data", tests + jsonpatch.make_patch(old, final).patch)
         return None
 
     def _bump_version(self, request: rendering.Request) -> None:
@@ -486,6 +535,65 @@ PRINTER_COLUMNS = {
              {"name": "Node", "type": "string", "jsonPath": ".spec.nodeName"}, _AGE],
     "nodes": [{"name": "Status", "type": "string", "jsonPath": "@node-status"}, _AGE],
 }
+def _load_schemas() -> dict[str, dict[str, Any]]:
+    """openAPIV3Schema of the project's CRDs, by plural."""
+    import yaml
+
+    return {crd["spec"]["names"]["plural"]: crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+            for crd in (yaml.safe_load(path.read_text()) for path in sorted(CRD_DIR.glob("*.yaml")))}
+
+
+SCHEMAS = _load_schemas()
+_TYPES: dict[str, Callable[[Any], bool]] = {
+    "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),
+}
+_DROP = object()
+
+
+def _prune(value: Any, schema: dict[str, Any], path: str, dropped: list[str], errors: list[str],
+           root: bool = False) -> Any:
+    """``value`` as the API server stores it under a structural ``schema`` (see ``_structural``)."""
+    if value is None:
+        return None if schema.get("nullable") else _DROP
+    kind = schema.get("type")
+    if kind and not _TYPES.get(kind, lambda v: True)(value):
+        errors.append(f"{path or '<root>'}: Invalid value: {value!r}: must be of type {kind}")
+        return value
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{path}: Unsupported value: {value!r}: supported values: {schema['enum']}")
+        return value
+    if isinstance(value, list):
+        items = schema.get("items") or {}
+        kept = [_prune(v, items, f"{path}[{i}]", dropped, errors) for i, v in enumerate(value)]
+        return [v for v in kept if v is not _DROP]
+    if not isinstance(value, dict):
+        return value
+    properties = schema.get("properties") or {}
+    extra = schema.get("additionalProperties")
+    keep_unknown = schema.get("x-kubernetes-preserve-unknown-fields") or extra is True
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        where = f"{path}.{key}" if path else key
+        if root and key in ("apiVersion", "kind", "metadata"):
+            out[key] = item
+        elif key in properties:
+            kept = _prune(item, properties[key], where, dropped, errors)
+            if kept is not _DROP:
+                out[key] = kept
+        elif isinstance(extra, dict):
+            kept = _prune(item, extra, where, dropped, errors)
+            if kept is not _DROP:
+                out[key] = kept
+        elif keep_unknown:
+            out[key] = item
+        else:
+            dropped.append(where)
+    return out
+
+
 _COMPUTED: dict[str, Callable[[dict[str, Any]], Any]] = {
     "@node-status": lambda node: "Ready" + (",SchedulingDisabled" if (node.get("spec") or {}).get("unschedulable")
                                             else ""),
