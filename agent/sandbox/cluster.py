@@ -54,8 +54,9 @@ FAST_SETTINGS = {
 }
 
 
-class SandboxTimeout(AssertionError):
-    """What the sandbox waited for did not happen in time (the message ends with the operator's log).
+class SandboxError(AssertionError):
+    """A step of the sandbox did not happen: a wait timed out or the operator exited (the message
+    ends with the operator's log), or a command failed.
 
     An ``AssertionError``: in tests a timed-out wait is a failed expectation."""
 
@@ -255,14 +256,14 @@ class Sandbox:
 
     def wait(self, predicate: Callable[[], Any], timeout: float = 45, what: str = "condition",
              require_operator: bool = False) -> Any:
-        """Poll until ``predicate()`` is truthy (API errors count as "not yet"); else SandboxTimeout
+        """Poll until ``predicate()`` is truthy (API errors count as "not yet"); else SandboxError
         with the operator log's tail — at once if ``require_operator`` and the operator has exited."""
         deadline = time.monotonic() + timeout
         last: Any = None
         while time.monotonic() < deadline:
             if require_operator and (self.proc is None or self.proc.poll() is not None):
                 code = None if self.proc is None else self.proc.returncode
-                raise SandboxTimeout(f"the operator is not running (exit status {code}) while waiting for "
+                raise SandboxError(f"the operator is not running (exit status {code}) while waiting for "
                                      f"{what}\n--- operator log tail ---\n" + self.log()[-6000:])
             try:
                 last = predicate()
@@ -272,5 +273,5 @@ class Sandbox:
                 if last:
                     return last
             time.sleep(0.1)
-        raise SandboxTimeout(f"timed out waiting for {what} (last: {last!r})\n--- operator log tail ---\n"
+        raise SandboxError(f"timed out waiting for {what} (last: {last!r})\n--- operator log tail ---\n"
                              + self.log()[-6000:])

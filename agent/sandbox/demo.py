@@ -38,7 +38,7 @@ from typing import Any
 
 from ..contract import names
 from ..child_process import die_with_parent
-from .cluster import BINDIR, KUBECTL, SDCGUARD, Sandbox, SandboxTimeout
+from .cluster import BINDIR, KUBECTL, SDCGUARD, Sandbox, SandboxError
 from .training import StandIns, TrainingJob, injected_sidecar, key_mounted_in, start_training_job
 
 NODES, RANKS_PER_NODE, STEPS = 3, 2, 12
@@ -77,7 +77,7 @@ class Demo:
         output = (done.stdout + done.stderr).rstrip()
         self.say("\n".join("  " + line for line in output.splitlines()))
         if done.returncode != 0:
-            raise SandboxTimeout(f"kubectl {' '.join(args)} exited {done.returncode}: {output}")
+            raise SandboxError(f"kubectl {' '.join(args)} exited {done.returncode}: {output}")
         return done.stdout
 
     # -- the loop -------------------------------------------------------------------------------
@@ -119,7 +119,7 @@ class Demo:
         self.say(f"alarm key Secret {names.ALARM_KEY_SECRET_PREFIX}{training.job} created by the operator; "
                  f"mounted in: {', '.join(sorted({c for m in mounts for c in m})) or 'no container'}")
         if not injected or mounts != {(names.SIDECAR_CONTAINER,)}:
-            raise SandboxTimeout("the operator's pod webhook did not inject the sidecar with the key mounted in it only")
+            raise SandboxError("the operator's pod webhook did not inject the sidecar with the key mounted in it only")
         # The stand-in for a failing GPU: HyperPod's stress test fails on the instance the fault is on.
         sandbox.aws.script(training.instances[FAULT_RANK // RANKS_PER_NODE], health="fail",
                            health_message=HEALTH_MESSAGE, health_polls=2)
@@ -152,7 +152,7 @@ class Demo:
                     proc.kill()  # its ranks die with it (die_with_parent)
                     proc.wait(10)
         if code != 0:
-            raise SandboxTimeout(f"the drill exited {code} (see above)")
+            raise SandboxError(f"the drill exited {code} (see above)")
         self.drill = json.loads(report.read_text())
 
     def contain(self, sandbox: Sandbox, training: TrainingJob) -> dict[str, Any]:
@@ -259,7 +259,7 @@ class Demo:
                               text=True, env=sandbox.env, timeout=120)
         self.say("\n".join("  " + line for line in (done.stdout + done.stderr).rstrip().splitlines()))
         if done.returncode != 0:
-            raise SandboxTimeout(f"the resume checkpoint did not verify (exit {done.returncode})")
+            raise SandboxError(f"the resume checkpoint did not verify (exit {done.returncode})")
 
 
 def _one(items: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -293,7 +293,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # like Ctrl-C: everything started is stopped on the way out
     try:
         return Demo(workdir, args.report).run(args.keep)
-    except SandboxTimeout as exc:
+    except SandboxError as exc:
         print(f"\n[demo] FAILED: {exc}\n[demo] logs in {workdir}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

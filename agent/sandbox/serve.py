@@ -15,7 +15,7 @@ import sys
 import tempfile
 import threading
 
-from .cluster import BINDIR, Sandbox, SandboxTimeout
+from .cluster import BINDIR, Sandbox, SandboxError
 from .training import StandIns, TrainingJob, start_training_job
 
 
@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
             finally:
                 stand_ins.stop()
                 training.stop_sidecar()
-    except SandboxTimeout as exc:
+    except SandboxError as exc:
         print(f"sdcguard sandbox: error: {exc}\nlogs in {workdir}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
