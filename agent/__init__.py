@@ -15,7 +15,7 @@ __all__ = [
     "Guard", "Step", "Config", "SDCDetected", "NonFiniteGradient", "UncheckedUpdate", "ReplayError",
     "ConfigurationError", "fingerprint", "fingerprint_many", "forward_seed", "replaying",
     "load_checkpoint", "verify_checkpoint", "CheckpointError", "FaultInjector", "judge_faults",
-    "SCHEMA", "AlarmError", "__version__",
+    "settle_buckets", "SCHEMA", "AlarmError", "__version__",
 ]
 
 _LAZY = {
@@ -24,7 +24,7 @@ _LAZY = {
     "fingerprint": "fingerprint", "fingerprint_many": "fingerprint", "forward_seed": "checks.rng",
     "replaying": "checks.replay",
     "load_checkpoint": "checkpoint", "verify_checkpoint": "checkpoint", "CheckpointError": "checkpoint",
-    "FaultInjector": "faults.injector", "judge_faults": "faults.judge",
+    "FaultInjector": "faults.injector", "judge_faults": "faults.judge", "settle_buckets": "buckets",
 }
 
 

@@ -135,7 +135,8 @@ class Replicas:
 class Soak:
     def __init__(self, workdir: pathlib.Path, *, seconds: float, jobs: int, suspects: int, seed: int,
                  api_fault_rate: float, aws_fault_rate: float, kill_every: tuple[float, float],
-                 converge_timeout: float, min_aws_faults: int = 1, max_extra_seconds: float = 60.0) -> None:
+                 converge_timeout: float, min_aws_faults: int = 1, max_extra_seconds: float = 60.0,
+                 health_seconds: float = 15.0) -> None:
         self.rng = random.Random(seed)
         self.seconds, self.converge_timeout = seconds, converge_timeout
         # The SageMaker calls come late in an incident (after the health check is due), so a short
@@ -143,6 +144,12 @@ class Soak:
         # ``min_aws_faults`` have struck, so every run exercises the AWS retry paths.
         self.min_aws_faults = min_aws_faults if aws_fault_rate > 0 else 0
         self.max_extra_seconds = max_extra_seconds
+        # A deep health check outlasts an operator fail-over, as in production (InstanceStress and
+        # DCGM level 4 run for many minutes, a new leader takes over in seconds). One that ends
+        # sooner can be started twice: a replica that made the call dies before recording it, and
+        # its successor finds the node Running again. The operator then starts another check
+        # (never a second replacement); "exactly one StartClusterHealthCheck" assumes this.
+        self.health_seconds = health_seconds
         self.api_fault_rate, self.aws_fault_rate, self.kill_every = api_fault_rate, aws_fault_rate, kill_every
         self.seed = seed
         self.world = OperatorWorld(
@@ -247,7 +254,7 @@ class Soak:
         try:
             self.keys = {job: w.alarm_key(self.ns, job, timeout=90) for job in self.reporters}
             w.kube.inject(self.api_fault_rate, users={OPERATOR_USER}, seed=self.seed, stall=(0.5, 2.5))
-            w.aws.chaos(self.aws_fault_rate, seed=self.seed, slow=3.0)
+            w.aws.chaos(self.aws_fault_rate, seed=self.seed, slow=3.0, health_seconds=self.health_seconds)
             started = time.monotonic()
             next_kill = started + self.rng.uniform(*self.kill_every)
             next_alarm = started + 1.0
@@ -425,14 +432,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-fault-rate", type=float, default=0.08)
     p.add_argument("--aws-fault-rate", type=float, default=0.25)
     p.add_argument("--kill-every", type=float, nargs=2, default=(3.0, 8.0), metavar=("MIN", "MAX"))
-    p.add_argument("--converge-timeout", type=float, default=180.0)
+    p.add_argument("--converge-timeout", type=float, default=300.0,
+                   help="seconds to converge once faults stop (health checks still take --health-seconds each)")
+    p.add_argument("--health-seconds", type=float, default=15.0,
+                   help="how long each emulated deep health check lasts at least (longer than a fail-over)")
     p.add_argument("--workdir", default=None)
     args = p.parse_args(argv)
     workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="chaos-soak-"))
     workdir.mkdir(parents=True, exist_ok=True)
     figures = soak(workdir, seconds=args.seconds, jobs=args.jobs, suspects=args.suspects, seed=args.seed,
                    api_fault_rate=args.api_fault_rate, aws_fault_rate=args.aws_fault_rate,
-                   kill_every=tuple(args.kill_every), converge_timeout=args.converge_timeout)
+                   kill_every=tuple(args.kill_every), converge_timeout=args.converge_timeout,
+                   health_seconds=args.health_seconds)
     print(json.dumps(figures.summary(), indent=1))
     for violation in figures.violations:
         print("VIOLATION:", violation, file=sys.stderr)

@@ -1,11 +1,12 @@
 """examples/gpt under torchrun (3 gloo ranks): the nanoGPT-style script ported to sdcguard.
 
-Four launches, shared by the tests (each ~12-20 s on this 2-core machine):
+Five launches, shared by the tests (each ~12-20 s on this 2-core machine):
   clean     train.py, 12 steps, audit every 3, weight check every 2, eval + checkpoint at step 6;
   plain     train_plain.py (no sdcguard), the same flags: its weights must be bit-identical;
   faults    train.py resumed from clean's checkpoint at step 6 to 10, with --keep-going and, in turn,
             grad-bitflip on rank 1 at step 6 (an audit), forward-nan on rank 0 at step 7, an Inf
             loss weight in rank 1's data at step 8, weight-bitflip on rank 2 before step 9;
+  resumed   train.py resumed from clean's checkpoint at step 6 to 12, no faults: clean's final weights;
   compiled  train.py --compile (DDP around torch.compile, as nanoGPT), audits on; ~25 s with a
             warm inductor cache (/tmp/torchinductor_$USER), ~55 s cold.
 """
@@ -64,6 +65,11 @@ def faults(tmp_path_factory, clean):
 
 
 @pytest.fixture(scope="module")
+def resumed(tmp_path_factory, clean):
+    return launch("train.py", tmp_path_factory.mktemp("resumed"), *COMMON, "--resume", str(clean["out"] / "ckpt.pt"))
+
+
+@pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     # no evaluation: eval mode would compile a second graph (~15 s here)
     return launch("train.py", tmp_path_factory.mktemp("compiled"), *COMMON, "--eval-interval", "0", "--compile")
@@ -116,8 +122,15 @@ def test_resume_continues_from_the_checkpoint(clean, faults):
         assert after["first_step"] == 6 and after["final_step"] == 10
         assert after["evals"]["6"] == before["evals"]["6"]  # the restored weights, bit for bit
         assert after["checkpoints"] == [6]                  # re-saved before any alarm
-    # (the final weights differ from clean's in the last bits, with or without sdcguard: DDP's
-    # first iteration reduces one bucket of every gradient, later ones the rebuilt buckets)
+
+
+def test_a_resumed_run_ends_bitwise_where_the_uninterrupted_run_ends(clean, resumed):
+    # train.py settles DDP's buckets when it resumes (sdcguard.settle_buckets): without that, its
+    # first step would reduce in DDP's initial bucket layout, the uninterrupted run's step 6 in the
+    # rebuilt one, and the final weights would differ in the last bits
+    for r in resumed["results"]:
+        assert (r["first_step"], r["final_step"], r["alarms"], r["errors"]) == (6, 12, [], [])
+    assert _same_weights_everywhere(resumed) == _same_weights_everywhere(clean)
 
 
 def test_injected_faults_are_caught_by_the_right_check_naming_the_rank(faults):

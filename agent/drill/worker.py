@@ -25,6 +25,7 @@ from ..errors import SDCDetected
 from ..faults.judge import suspect_window
 from ..faults.spec import FaultSpec
 from ..fingerprint import digest, fingerprint
+from ..buckets import settle_buckets
 from ..guard import Guard
 from ..recovery import History
 from ..faults.injector import FaultInjector
@@ -74,7 +75,9 @@ def build(cfg: dict[str, Any], rank: int, device: torch.device, injector: FaultI
     torch.manual_seed(cfg["seed"])
     model = DrillModel().to(device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    _settle_buckets(ddp, cfg, device)
+    # Every job of the drill (the first and each resumed one) settles DDP's buckets the same way,
+    # so a recovered run reduces every step as the clean run does.
+    settle_buckets(ddp, _on_device(loss_fn, device), make_batch(cfg["seed"], 0, 0, 0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     injector.install(model, optimizer, site=SITE, param=PARAM)
     reduce_hook, reduce_state = injector.reduce_hook_around(inner_state=ddp.process_group)
@@ -85,16 +88,6 @@ def build(cfg: dict[str, Any], rank: int, device: torch.device, injector: FaultI
         reduce_hook=reduce_hook, reduce_state=reduce_state,
     )
     return Trainer(model, optimizer, guard)
-
-
-def _settle_buckets(ddp: DistributedDataParallel, cfg: dict[str, Any], device: torch.device) -> None:
-    """One throw-away forward and backward, so that DDP settles its bucket layout (it rebuilds the
-    buckets after the first backward, in gradient order) before the first real step. Otherwise a
-    resumed job's first step would reduce in a different layout than the same step of the run
-    it resumes, and gloo's sum over ranks may round differently: not bit for bit the same run."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        loss_fn(ddp, tuple(t.to(device) for t in make_batch(cfg["seed"], 0, 0, 0))).backward()
-    ddp.module.zero_grad(set_to_none=True)
 
 
 def train(cfg: dict[str, Any], rank: int) -> dict[str, Any]:

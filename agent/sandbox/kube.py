@@ -53,7 +53,8 @@ Added for sdcguard's approval model (server-side, like the API server's own part
   fails the request (``failurePolicy: Fail``, the default) or is skipped (``Ignore``).
 
 Fault injection (``kube.inject(rate, users={...})``): a share of the requests of the named users
-is answered 500 / 409 / 429 or stalled for seconds, server-side, like an overloaded API server.
+is answered 500 / 409 (writes only) / 429 or stalled for seconds, server-side, like an overloaded
+API server.
 ``coordination.k8s.io/v1`` leases are served (leader election).
 
 Our CRDs' schemas are applied server-side as for a structural schema: unknown fields are pruned
@@ -153,8 +154,9 @@ class Faults:
     counts: dict[str, int] = attrs.field(factory=dict)
     _rng: Any = attrs.field(default=None, init=False)
 
-    def pick(self, user: str) -> int | float | None:
-        """None: serve normally; an int: answer that status; a float: stall that many seconds."""
+    def pick(self, user: str, write: bool = True) -> int | float | None:
+        """None: serve normally; an int: answer that status; a float: stall that many seconds.
+        A read (``write=False``) is never answered 409: an API server answers Conflict to writes only."""
         import random
         if self.rate <= 0 or user not in self.users:
             return None
@@ -165,7 +167,7 @@ class Faults:
         if self._rng.random() < self.stall_share:
             self.counts["stall"] = self.counts.get("stall", 0) + 1
             return self._rng.uniform(*self.stall)
-        code = self._rng.choice(self.codes)
+        code = self._rng.choice([c for c in self.codes if write or c != 409] or [500])
         self.counts[str(code)] = self.counts.get(str(code), 0) + 1
         return code
 
@@ -227,7 +229,8 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
         return copy.deepcopy(self.users.get(token, ANONYMOUS) if token else ANONYMOUS)
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
-        fault = self.faults.pick(self.user_of(request)["username"]) if self.faults.rate else None
+        fault = self.faults.pick(self.user_of(request)["username"], write=str(request.method.value).upper() in (
+            "POST", "PUT", "PATCH", "DELETE")) if self.faults.rate else None
         if isinstance(fault, float):
             await asyncio.sleep(fault)
         elif isinstance(fault, int):

@@ -20,7 +20,8 @@ moto's ``DomainDispatcherApplication`` is served with a subclass of moto's ``Sag
 that adds, server-side:
 
 * ``StartClusterHealthCheck``: the instance shows ``DeepHealthCheckInProgress`` in
-  ``DescribeClusterNode`` for ``health_polls`` describes, then ``Running`` (pass) or ``Failure``.
+  ``DescribeClusterNode`` for ``health_polls`` describes and at least ``health_seconds`` (per
+  instance, or ``chaos(health_seconds=...)`` for all), then ``Running`` (pass) or ``Failure``.
 * ``BatchReplaceClusterNodes``: per-instance scripted outcomes, in order: ``ok``, ``throttle``
   (a ``ThrottlingException``), ``in-use`` / ``not-found`` / ``bad-status`` / ``internal`` (``Failed``
   entries ``InstanceIdInUse`` / ``InstanceIdNotFound`` / ``InvalidInstanceStatus`` /
@@ -81,7 +82,7 @@ class _State:
     def script(self, instance_id: str) -> dict[str, Any]:
         return self.scripts.setdefault(instance_id, {
             "health": "pass", "health_errors": [], "replace": [], "health_polls": 1, "replace_polls": 1,
-            "health_delay": 0.0, "replace_delay": 0.0, "health_message": "",
+            "health_delay": 0.0, "replace_delay": 0.0, "health_message": "", "health_seconds": 0.0,
         })
 
 
@@ -139,8 +140,9 @@ class HyperPodResponse(SageMakerResponse):
             for instance_id in ids:
                 script = STATE.script(instance_id)
                 cluster.nodes[instance_id].status = "DeepHealthCheckInProgress"
+                seconds = script["health_seconds"] or STATE.chaos.get("health_seconds", 0.0)
                 STATE.progress[instance_id] = {"kind": "health", "polls_left": script["health_polls"],
-                                               "result": script["health"]}
+                                               "result": script["health"], "until": time.time() + seconds}
             self._record("StartClusterHealthCheck", ids, "ok", configs, fault=fault)
             delay = max(STATE.script(i)["health_delay"] for i in ids) if ids else 0
         time.sleep(delay)  # the call took effect; the answer is slow (a crash window for the caller)
@@ -191,6 +193,8 @@ class HyperPodResponse(SageMakerResponse):
             if progress is not None and node is not None and fault != "slow":
                 if progress["polls_left"] > 0:
                     progress["polls_left"] -= 1
+                elif progress["kind"] == "health" and time.time() < progress["until"]:
+                    pass  # still running: a real check takes many minutes
                 elif progress["kind"] == "health":
                     node.status = "Running" if progress["result"] == "pass" else "Failure"
                     del STATE.progress[instance_id]
@@ -352,10 +356,13 @@ class RunningAWS:
         ``health_errors``, ``replace`` (list of outcomes), ``*_polls``, ``*_delay``."""
         self._post("/_hyperpod/script", {"instance_id": instance_id, **behaviour})
 
-    def chaos(self, rate: float, seed: int | None = None, slow: float | None = None) -> None:
-        """Random faults in a share ``rate`` of the HyperPod calls from now on (0 stops them)."""
+    def chaos(self, rate: float, seed: int | None = None, slow: float | None = None,
+              health_seconds: float | None = None) -> None:
+        """Random faults in a share ``rate`` of the HyperPod calls from now on (0 stops them);
+        ``health_seconds``: how long every deep health check lasts at least."""
         self._post("/_hyperpod/chaos", {"rate": rate, **({"seed": seed} if seed is not None else {}),
-                                        **({"slow": slow} if slow is not None else {})})
+                                        **({"slow": slow} if slow is not None else {}),
+                                        **({"health_seconds": health_seconds} if health_seconds is not None else {})})
 
     def calls(self, action: str | None = None, instance_id: str | None = None) -> list[dict[str, Any]]:
         """HyperPod calls received so far (read over HTTP), optionally filtered."""

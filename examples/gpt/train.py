@@ -78,6 +78,8 @@ injector = install_faults(args.inject, model, optimizer, rank, world_size)
 if args.compile:
     model = torch.compile(model)
 model = DDP(model)
+if args.resume:  # reduce the first step in the bucket layout the original run had by then
+    sdcguard.settle_buckets(model, loss_fn, batch_for("train", iter_num, 0))
 raw_model = model.module
 config = sdcguard.Config.from_env(audit_every=args.audit_every, weight_check_every=args.weight_check_every)
 guard = sdcguard.Guard(model, optimizer, loss_fn, config=config, scaler=scaler, reduce_hook=injector.reduce_hook)
