@@ -10,7 +10,9 @@ to SDCGUARD_NAMESPACES (all namespaces when empty).
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import threading
 
 from .settings import Settings
 
@@ -54,7 +56,6 @@ def run_elected(settings: Settings, namespaces: list[str], liveness: str | None,
                 levels: dict[str, bool]) -> int:
     """Webhooks always (a kopf instance in a thread); handlers only while leader (the main thread)."""
     import asyncio
-    import threading
 
     import kopf
 
@@ -75,12 +76,40 @@ def run_elected(settings: Settings, namespaces: list[str], liveness: str | None,
     holding = elector.start_holding()
     acting = kopf.OperatorRegistry()
     handlers.register(acting)
+    stop = threading.Event()
+    watchers = WatcherFailure(stop)
+    logging.getLogger("kopf._core.reactor.orchestration").addHandler(watchers)
     try:
-        kopf.run(registry=acting, standalone=True, **scope)
+        kopf.run(registry=acting, standalone=True, stop_flag=stop, **scope)
+    except Exception:  # kopf re-raises the failed watcher's error once it has stopped
+        if not watchers.failed:
+            raise
     finally:
         # kopf has stopped (SIGTERM, or a fatal error), but handler threads may still be inside an
         # AWS call: keep the Lease (still renewed) until they are done, then hand it over.
         handlers.EXECUTOR.shutdown(wait=True, cancel_futures=True)
         holding.set()
         elector.release()
+    if watchers.failed:
+        logging.getLogger("sdcguard_operator").error(
+            "sdcguard operator: stopped: %s; the Lease is released for the other replica", watchers.failed)
+        return 1
     return 0
+
+
+class WatcherFailure(logging.Handler):
+    """kopf does not restart a resource watcher that failed for good (a 403 after an RBAC change,
+    an error it does not retry): its task just ends, and the leader would go on renewing its Lease
+    with dead watches, acting on nothing. Seeing kopf's log of it, stop kopf (``stop``), so that
+    this replica hands the Lease over and exits non-zero for the Deployment to restart it."""
+
+    def __init__(self, stop: "threading.Event") -> None:
+        super().__init__(logging.ERROR)
+        self.stop = stop
+        self.failed = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Watcher for ") and " has failed" in message:
+            self.failed = self.failed or message.split(":", 1)[0].lower()
+            self.stop.set()

@@ -199,3 +199,20 @@ def kubernetes_lease(emulator):
     import kubernetes
     return kubernetes.client.CoordinationV1Api(emulator.api_client()).read_namespaced_lease(
         "sdcguard-operator", "default")
+
+
+def test_a_leader_whose_kopf_watcher_fails_hands_the_lease_over_and_exits(make_world):
+    # kopf does not restart a watcher that failed for good (here: a 403 on the LIST of incidents,
+    # as after an RBAC change); the leader must not go on holding the Lease with dead watches.
+    world = make_world(start=False, **LEASE)
+    world.kube.reject("GET", "/apis/sdcguard.dev/v1/sdcincidents", 403)
+    world.start_operator()
+    assert world.proc is not None
+    code = world.proc.wait(timeout=150)  # kopf retries the LIST 9 times (~55 s) before it gives up
+    log = world.log()
+    assert code == 1, log[-4000:]
+    assert "stopped: watcher for sdcincidents" in log and "the Lease is released" in log, log[-4000:]
+    lease = world.kube.api_client()
+    import kubernetes
+    held = kubernetes.client.CoordinationV1Api(lease).read_namespaced_lease("sdcguard-operator", "default")
+    assert not held.spec.holder_identity, held.spec  # handed over at once, not left to expire
