@@ -13,3 +13,11 @@ def die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def stop_on_sigterm() -> None:
+    """Treat SIGTERM (kill, a timeout, a closing terminal) like Ctrl-C: ``KeyboardInterrupt`` runs
+    the ``finally`` and ``with`` blocks that stop children and remove temporary files."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import signal
 import sys
 from pathlib import Path
 
+from .child_process import stop_on_sigterm
 from .drill import launch as drill
 
 # Subcommands that live in modules with their own argument parsers (and heavier imports), and
@@ -71,16 +71,12 @@ def _drill(args: argparse.Namespace) -> int:
     except drill.DrillInputError as exc:
         print(f"sdcguard drill: error: {exc}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _interrupted)  # stop the ranks and remove the work directory, as Ctrl-C does
+    stop_on_sigterm()  # stop the ranks and remove the work directory, as Ctrl-C does
     try:
         return drill.run(cfg, args.report, args.spool)
     except KeyboardInterrupt:
         print("sdcguard drill: interrupted", file=sys.stderr)
         return 130
-
-
-def _interrupted(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

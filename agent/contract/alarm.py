@@ -36,6 +36,12 @@ def now_rfc3339() -> str:
     return stamp.replace("+00:00", "Z")
 
 
+def rfc3339_seconds(text: str) -> float:
+    """Epoch seconds of an RFC 3339 time (``...Z``, with or without milliseconds: the alarm's
+    ``time``, the API server's timestamps)."""
+    return _dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
 def make_alarm(
     *,
     alarm_id: str,

@@ -10,7 +10,6 @@ alarm is unexplained, 2 bad input, 3 the run itself failed.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -193,14 +192,10 @@ def _alarms_since(spool_dir: str, started: float) -> list[dict[str, Any]]:
                 record = _alarm.loads(candidate.read_text())
             except FileNotFoundError:
                 continue
-            if _alarm_time(record["time"]) >= started - 1.0:  # the record's time has milliseconds
+            if _alarm.rfc3339_seconds(record["time"]) >= started - 1.0:  # the record's time has milliseconds
                 records[record["id"]] = record
             break
     return sorted(records.values(), key=lambda a: a["time"])
-
-
-def _alarm_time(text: str) -> float:
-    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
 def _backend(choice: str, world: int) -> str:

@@ -61,6 +61,13 @@ class SandboxError(AssertionError):
     An ``AssertionError``: in tests a timed-out wait is a failed expectation."""
 
 
+def workdir_problem(path: pathlib.Path | None) -> str | None:
+    """Why ``--workdir`` cannot hold a sandbox (it must be new or an empty directory), or None."""
+    if path is not None and path.exists() and (not path.is_dir() or any(path.iterdir())):
+        return f"--workdir {path} is not an empty directory"
+    return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -24,12 +24,10 @@ when the loop closed, 1 when a step did not happen (what was waited for is print
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import pathlib
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,8 +35,9 @@ import time
 from typing import Any
 
 from ..contract import names
-from ..child_process import die_with_parent
-from .cluster import BINDIR, KUBECTL, SDCGUARD, Sandbox, SandboxError
+from ..child_process import die_with_parent, stop_on_sigterm
+from ..contract.alarm import rfc3339_seconds
+from .cluster import BINDIR, KUBECTL, SDCGUARD, Sandbox, SandboxError, workdir_problem
 from .training import StandIns, TrainingJob, injected_sidecar, key_mounted_in, start_training_job
 
 NODES, RANKS_PER_NODE, STEPS = 3, 2, 12
@@ -222,7 +221,7 @@ class Demo:
         rows: list[tuple[float | None, str]] = [
             (self.fault_seen, f"fault injected on rank {FAULT_RANK} ({self.suspect}) at steps "
                               f"{', '.join(map(str, struck)) or 'none'}"),
-            (_stamp(alarm["time"]), f"alarm '{alarm['check']}' at step {alarm['step']}: rank "
+            (rfc3339_seconds(alarm["time"]), f"alarm '{alarm['check']}' at step {alarm['step']}: rank "
                                     f"{', '.join(str(r) for r in alarm['suspect_ranks'])} named; suspect window "
                                     f"{alarm['suspect_window']['first_step']}..{alarm['suspect_window']['last_step']}"),
             # st_ctime: when the sidecar moved the record to published/, after the Event existed
@@ -238,7 +237,7 @@ class Demo:
                           ("nr:Replaced", "instance replaced by fresh hardware"),
                           ("Resolved", "incident resolved")):
             if key in events:
-                rows.append((_stamp(events[key]["time"]), text))
+                rows.append((rfc3339_seconds(events[key]["time"]), text))
         rows.append((self.resumed_at, f"{training.approver} resumes the job (from the checkpoint below)"))
         shown = 0.0
         for when, text in rows:
@@ -266,11 +265,6 @@ def _one(items: list[dict[str, Any]]) -> dict[str, Any] | None:
     return items[0] if len(items) == 1 else None
 
 
-def _stamp(text: str) -> float:
-    """An API timestamp (``2026-12-01T10:00:00Z`` or with milliseconds) as epoch seconds."""
-    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sdcguard demo", description=__doc__.splitlines()[0])
     p.add_argument("--workdir", type=pathlib.Path, default=None,
@@ -286,11 +280,12 @@ def main(argv: list[str]) -> int:
         print(f"sdcguard demo: error: kubectl not found in {BINDIR} or on PATH (make tools installs it)",
               file=sys.stderr)
         return 2
-    if args.workdir is not None and args.workdir.exists() and (not args.workdir.is_dir() or any(args.workdir.iterdir())):
-        print(f"sdcguard demo: error: --workdir {args.workdir} is not an empty directory", file=sys.stderr)
+    problem = workdir_problem(args.workdir)
+    if problem:
+        print(f"sdcguard demo: error: {problem}", file=sys.stderr)
         return 2
     workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="sdcguard-demo-"))
-    signal.signal(signal.SIGTERM, _interrupt)  # like Ctrl-C: everything started is stopped on the way out
+    stop_on_sigterm()  # like Ctrl-C: everything started is stopped on the way out
     try:
         return Demo(workdir, args.report).run(args.keep)
     except SandboxError as exc:
@@ -299,7 +294,3 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print(f"\n[demo] interrupted; everything it started has stopped; logs in {workdir}", file=sys.stderr)
         return 130
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import signal
 import sys
 import tempfile
-import threading
+import time
 
-from .cluster import BINDIR, Sandbox, SandboxError
+from ..child_process import stop_on_sigterm
+from .cluster import BINDIR, Sandbox, SandboxError, workdir_problem
 from .training import StandIns, TrainingJob, start_training_job
 
 
@@ -46,16 +46,12 @@ def _rank(nodes: int) -> int:
 
 
 def wait_for_interrupt() -> None:
-    """Block until Ctrl-C or SIGTERM."""
-    stop = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    """Block until Ctrl-C (or SIGTERM, once ``stop_on_sigterm`` is in place)."""
     try:
-        while not stop.wait(0.5):
-            pass
+        while True:
+            time.sleep(3600)
     except KeyboardInterrupt:
         pass
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str]) -> int:
@@ -67,12 +63,13 @@ def main(argv: list[str]) -> int:
     if args.nodes < 1:
         print("sdcguard sandbox: error: --nodes must be >= 1", file=sys.stderr)
         return 2
-    if args.workdir is not None and args.workdir.exists() and (not args.workdir.is_dir() or any(args.workdir.iterdir())):
-        print(f"sdcguard sandbox: error: --workdir {args.workdir} is not an empty directory", file=sys.stderr)
+    problem = workdir_problem(args.workdir)
+    if problem:
+        print(f"sdcguard sandbox: error: {problem}", file=sys.stderr)
         return 2
     workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="sdcguard-sandbox-"))
     print(f"sdcguard sandbox: starting in {workdir}", flush=True)
-    signal.signal(signal.SIGTERM, _interrupt)  # while starting; wait_for_interrupt handles it after
+    stop_on_sigterm()
     try:
         with Sandbox(workdir, admission=True, pod_webhook=True) as sandbox:
             sandbox.start_operator()
@@ -91,7 +88,3 @@ def main(argv: list[str]) -> int:
         pass
     print("sdcguard sandbox: stopped", flush=True)
     return 0
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
