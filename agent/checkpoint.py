@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
@@ -21,14 +23,17 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 import torch.distributed as dist
 
+from . import recovery
+from .checks.exchange import broadcast_json
 from .checks.weights import fingerprint_weights
 from .contract.alarm import now_rfc3339
 from .contract.spool import write_json_atomic
 from .fingerprint import digest, fingerprint_many
-from .recovery import Checkpoint
 
 if TYPE_CHECKING:
     from .guard import Guard
+
+log = logging.getLogger("sdcguard")
 
 MANIFEST_SCHEMA = "sdcguard.dev/checkpoint/v1"
 # Checkpoints before it that a manifest lists (a window rarely reaches further back).
@@ -45,72 +50,147 @@ def manifest_path(path: str | os.PathLike[str]) -> Path:
     return Path(f"{os.fspath(path)}.sdcguard.json")
 
 
-def save_checkpoint(guard: Guard, path: str | os.PathLike[str], step: int, state: Mapping[str, Any] | None = None,
-                    *, when: bool = True, model_key: str = "model") -> Path | None:
-    """Collective: rank 0's ``when`` decides; check 3; then rank 0 writes checkpoint + manifest."""
+def save_checkpoint(guard: Guard, path: str | os.PathLike[str], step: int | None = None,
+                    state: Mapping[str, Any] | None = None, *, when: bool = True,
+                    model_key: str = "model") -> Path | None:
+    """Collective: rank 0's ``when`` decides; check 3; then rank 0 writes checkpoint + manifest.
+
+    The manifest's step is the last step whose update the weights include, as the Guard counted
+    it; a ``step`` given that says otherwise is refused. When ``path`` held a checkpoint that a
+    later alarm may still name, that file is kept beside it first (``recovery.plan_save``)."""
     if not _rank0_says(bool(when), guard):
         return None
     if guard.alarms_raised:
         raise CheckpointError(
             f"refusing to write {path}: this run raised {guard.alarms_raised} alarm(s) and its state "
             "is suspect; resume from the last good checkpoint instead")
+    step = _manifest_step(guard.updates_through, step, path)
     guard.check_weights(step)  # raises SDCDetected on every rank when a replica differs
     path = Path(path)
     if state is None:
         state = {"step": step, model_key: guard.module.state_dict(), "optimizer": guard.optimizer.state_dict(),
                  "scaler": guard.scaler.state_dict() if guard.scaler is not None else None}
-    names = [n for n, _ in guard.named_parameters]
     history = guard.history
-    failure = None
+    plan = recovery.plan_save(history, str(path), step, keep=guard.config.keep_resume_points)
+    outcome: dict[str, Any] = {"failure": None, "sha256": None, "kept": None}
     if guard.topology.rank == 0:
         try:
-            _write(guard, path, step, state, model_key, names)
+            outcome["kept"] = _keep(plan.keep) if plan.keep is not None else None
+            outcome["sha256"] = _write(guard, path, step, state, model_key, plan)
+            _remove(plan.remove)
         except (CheckpointError, OSError) as exc:
-            failure = f"{type(exc).__name__}: {exc}"
-    if not guard.solo:  # every rank learns whether rank 0 wrote it (and waits until it has)
-        said = [failure]
-        dist.broadcast_object_list(said, src=_global_rank0(guard), group=guard.group)
-        failure = said[0]
-    if failure is not None:
-        raise CheckpointError(f"checkpoint {path} was not written: {failure}")
-    history.checkpoints.append(Checkpoint(step, str(path), history.last_audited_step))
+            outcome["failure"] = f"{type(exc).__name__}: {exc}"
+    if not guard.solo:  # every rank learns what rank 0 did (and waits until it has)
+        outcome = broadcast_json(outcome if guard.topology.rank == 0 else None, 0, guard.device, guard.group)
+    if outcome["failure"] is not None:
+        raise CheckpointError(f"checkpoint {path} was not written: {outcome['failure']}")
+    saved = recovery.Checkpoint(step, str(path), history.last_audited_step, outcome["sha256"])
+    guard.history = recovery.after_save(history, plan, saved, outcome["kept"])
+    if guard.topology.rank == 0:
+        _log_plan(plan, outcome["kept"], saved)
     return path
 
 
-def _write(guard: Guard, path: Path, step: int, state: Mapping[str, Any], model_key: str, names: list[str]) -> None:
+def _manifest_step(known: int | None, given: int | None, path: Any) -> int:
+    """The step a checkpoint written now holds: the Guard's count; the caller's must agree."""
+    if known is None:
+        raise CheckpointError(f"refusing to write {path}: no checked step has updated the weights yet "
+                              "(a checkpoint holds the state after a step's update)")
+    if given is not None and int(given) != known:
+        raise CheckpointError(
+            f"save_checkpoint({path}, step={given}): the weights hold the update of step {known}, not {given}. "
+            "A checkpoint's step is the last step whose update its weights include (a save at the top of "
+            f"iteration {known + 1}, as nanoGPT does, holds step {known}); leave step out and sdcguard records it")
+    return known
+
+
+def _keep(entry: recovery.Checkpoint) -> str | None:
+    """Keep the file of ``entry`` (its path is about to be written again) under its kept name, with
+    its manifest; return that name, or None when the path no longer holds the entry."""
+    source = Path(entry.path)
+    try:
+        manifest = read_manifest(source)
+    except CheckpointError:
+        manifest = {}
+    if int(manifest.get("step", -1)) != entry.step or (entry.sha256 and manifest.get("sha256") != entry.sha256):
+        log.warning("sdcguard: %s no longer holds the checkpoint of step %d; nothing to keep", source, entry.step)
+        return None
+    target = Path(recovery.kept_path(str(source), entry.step))
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)  # the new save replaces the path's directory entry, not this inode
+    except OSError:
+        shutil.copy2(source, tmp)  # a filesystem without hard links
+    os.replace(tmp, target)
+    write_json_atomic(manifest_path(target), json.dumps(manifest, indent=2, sort_keys=True))
+    return str(target)
+
+
+def _remove(paths: tuple[str, ...]) -> None:
+    for path in paths:
+        for victim in (Path(path), manifest_path(path)):
+            victim.unlink(missing_ok=True)
+
+
+def _log_plan(plan: recovery.SavePlan, kept_as: str | None, saved: recovery.Checkpoint) -> None:
+    if plan.keep is not None and kept_as is not None:
+        log.warning("sdcguard: %s held step %d, which a later alarm may still name as its resume point: "
+                    "kept as %s while %s now holds step %d", plan.keep.path, plan.keep.step, kept_as,
+                    saved.path, saved.step)
+    for path in plan.remove:
+        log.info("sdcguard: removed %s: a newer verified checkpoint covers every window an alarm can open", path)
+
+
+def _write(guard: Guard, path: Path, step: int, state: Mapping[str, Any], model_key: str,
+           plan: recovery.SavePlan) -> str:
+    """Write ``state`` and its manifest; return the file's SHA-256."""
+    names = [n for n, _ in guard.named_parameters]
     saved_digest = _state_digest(state, model_key, names, where=str(path))
     if saved_digest != guard.last_weights_digest:
         raise CheckpointError(f"state[{model_key!r}] does not hold the weights check 3 just verified "
                               "(pass the model's own state_dict)")
     _save_atomic(dict(state), path)
     history = guard.history
+    sha256 = _sha256(path)
+    dropped = {id(c) for c in plan.dropped}
+    earlier = [c for c in history.checkpoints if c.step < step and id(c) not in dropped and c is not plan.keep]
+    if plan.keep is not None:
+        earlier.append(recovery.Checkpoint(plan.keep.step, recovery.kept_path(plan.keep.path, plan.keep.step),
+                                           plan.keep.audited_step, plan.keep.sha256, plan.keep.path))
+    earlier.sort(key=lambda c: c.step)
     write_json_atomic(manifest_path(path), json.dumps({
         "schema": MANIFEST_SCHEMA, "step": step, "verified": True,
-        "weight_digest": guard.last_weights_digest, "sha256": _sha256(path),
+        "weight_digest": guard.last_weights_digest, "sha256": sha256,
         "model_key": model_key, "parameters": names,
         "audited_step": history.last_audited_step,
         "audited": history.last_audited_step == step,
         "reduction_verified_step": history.last_reduction_verified_step,
         # What a run resumed from this file must know to name a checkpoint before a window that
         # reaches back past it.
-        "earlier_checkpoints": [{"step": c.step, "path": c.path, "audited_step": c.audited_step}
-                                for c in history.checkpoints[-EARLIER_CHECKPOINTS:] if c.step < step],
+        "earlier_checkpoints": [{"step": c.step, "path": c.path, "audited_step": c.audited_step,
+                                 "sha256": c.sha256, "kept_from": c.kept_from}
+                                for c in earlier[-EARLIER_CHECKPOINTS:]],
         "replicas": guard.topology.world_size,
         "verified_at": now_rfc3339(), "run_id": guard.topology.run_id,
     }, indent=2, sort_keys=True))
+    return sha256
 
 
 def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None,
                     scaler: torch.amp.GradScaler | None = None,
                     map_location: Any = "cpu", *, model_key: str | None = None,
-                    weights_only: bool = True) -> dict[str, Any]:
+                    weights_only: bool = True, expect_step: int | None = None,
+                    expect_sha256: str | None = None) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` after verifying it; return its state.
 
     ``model`` is the bare module (the DDP / torch.compile prefixes of the saved keys are removed).
-    Raises CheckpointError on any mismatch and leaves the model untouched when the file is wrong."""
+    ``expect_step`` / ``expect_sha256``: what the alarm named (``last_good_checkpoint_step`` /
+    ``_sha256``); a file that holds anything else is refused. Raises CheckpointError on any
+    mismatch and leaves the model untouched when the file is wrong."""
     path = Path(path)
-    manifest = read_manifest(path)
+    manifest = read_manifest(path, expect_step=expect_step, expect_sha256=expect_sha256)
     state = _verified_state(path, manifest, map_location, weights_only)
     key = model_key or manifest.get("model_key", "model")
     model.load_state_dict(_strip_prefixes(state[key]))
@@ -132,25 +212,30 @@ class Verification:
     audited: bool
     weight_digest: str
     parameters: int
+    sha256: str
 
 
-def verify_checkpoint(path: str | os.PathLike[str]) -> Verification:
+def verify_checkpoint(path: str | os.PathLike[str], *, expect_step: int | None = None,
+                      expect_sha256: str | None = None) -> Verification:
     """Check a checkpoint file against its manifest without a model or a process group: its
-    SHA-256, its step, and the digest of the parameters it holds. Raises CheckpointError."""
+    SHA-256, its step, and the digest of the parameters it holds; with ``expect_step`` /
+    ``expect_sha256``, also that it is the checkpoint an alarm named. Raises CheckpointError."""
     path = Path(path)
-    manifest = read_manifest(path)
+    manifest = read_manifest(path, expect_step=expect_step, expect_sha256=expect_sha256)
     if "parameters" not in manifest:
-        raise CheckpointError(f"manifest {manifest_path(path)} predates parameter lists: load it into the model "
-                              "with sdcguard.load_checkpoint to verify its weights")
+        raise CheckpointError(f"manifest {manifest_path(path)} lists no parameters")
     state = _verified_state(path, manifest, "cpu", True)
     found = _state_digest(state, manifest.get("model_key", "model"), manifest["parameters"], where=str(path))
     if found != manifest["weight_digest"]:
         raise CheckpointError(f"{path}: its weights have digest {found}, manifest says {manifest['weight_digest']}")
     return Verification(str(path), int(manifest["step"]), manifest.get("audited_step"), bool(manifest.get("audited")),
-                        manifest["weight_digest"], len(manifest["parameters"]))
+                        manifest["weight_digest"], len(manifest["parameters"]), manifest["sha256"])
 
 
-def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+def read_manifest(path: str | os.PathLike[str], *, expect_step: int | None = None,
+                  expect_sha256: str | None = None) -> dict[str, Any]:
+    """The manifest of ``path``, checked for form and, when given, for the step and SHA-256 an
+    alarm named (the file's own bytes are checked against the manifest when it is loaded)."""
     where = manifest_path(path)
     try:
         manifest = json.loads(where.read_text())
@@ -163,6 +248,11 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     for key in ("step", "weight_digest", "sha256"):
         if key not in manifest:
             raise CheckpointError(f"manifest {where} lacks {key!r}")
+    if expect_step is not None and int(manifest["step"]) != int(expect_step):
+        raise CheckpointError(f"{path} now holds the checkpoint of step {manifest['step']}, not step {expect_step}: "
+                              "it was written again after the alarm named it; do not resume from it")
+    if expect_sha256 is not None and manifest["sha256"] != expect_sha256.strip().lower():
+        raise CheckpointError(f"{path} is not the file the alarm named: sha256 {manifest['sha256']} != {expect_sha256}")
     return manifest
 
 

@@ -34,18 +34,25 @@ def main(argv: list[str] | None = None) -> int:
         return command.main(argv[1:])
     parser = argparse.ArgumentParser(prog="sdcguard", description="silent-data-corruption detection for PyTorch training")
     sub = parser.add_subparsers(dest="command", required=True)
-    drill.add_arguments(sub.add_parser("drill", help="run a fault-injection drill (multi-process DDP)"))
-    verify = sub.add_parser("verify-checkpoint", help="check a checkpoint against its manifest (exit 0 good, 1 mismatch, 2 bad input)")
+    drill.add_arguments(sub.add_parser(
+        "drill", help="run a fault-injection drill (multi-process DDP)", description=drill.DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter))
+    verify = sub.add_parser("verify-checkpoint", help="check a checkpoint against its manifest (exit 0 good, 1 mismatch, 2 bad input)",
+                            description="Check a checkpoint file against its manifest (PATH.sdcguard.json): its bytes, "
+                                        "its weights and, with --step / --sha256, that it is the checkpoint an alarm "
+                                        "named (last_good_checkpoint_step / last_good_checkpoint_sha256).")
     verify.add_argument("path", type=Path, help="the checkpoint file (its manifest is PATH.sdcguard.json)")
+    verify.add_argument("--step", type=int, help="the step the alarm named: refuse a file that holds another")
+    verify.add_argument("--sha256", help="the SHA-256 the alarm named: refuse a file with other bytes")
     for name, (_, _, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     args = parser.parse_args(argv)
     if args.command == "verify-checkpoint":
-        return _verify_checkpoint(args.path)
+        return _verify_checkpoint(args.path, args.step, args.sha256)
     return _drill(args)
 
 
-def _verify_checkpoint(path: Path) -> int:
+def _verify_checkpoint(path: Path, step: int | None, sha256: str | None) -> int:
     """For the person deciding where to resume: no process group, no model needed."""
     if not path.is_file():
         print(f"sdcguard verify-checkpoint: error: {path} is not a file", file=sys.stderr)
@@ -55,13 +62,14 @@ def _verify_checkpoint(path: Path) -> int:
         print(f"sdcguard verify-checkpoint: error: {path} has no manifest {manifest_path(path).name}", file=sys.stderr)
         return 2
     try:
-        found = verify_checkpoint(path)
+        found = verify_checkpoint(path, expect_step=step, expect_sha256=sha256)
     except CheckpointError as exc:
         print(f"MISMATCH {exc}")
         return 1
     audited = ("on an audited step" if found.audited else
                f"covered by the audit at step {found.audited_step}" if found.audited_step is not None else "not covered by any audit")
-    print(f"OK {found.path}: step {found.step}, {found.parameters} parameters, weight digest {found.weight_digest}, {audited}")
+    print(f"OK {found.path}: step {found.step}, {found.parameters} parameters, weight digest {found.weight_digest}, "
+          f"sha256 {found.sha256}, {audited}")
     return 0
 
 

@@ -52,6 +52,20 @@ class Config:
     node: str | None = None
     """This rank's node name (downward API ``NODE_NAME``)."""
 
+    pod_uid: str | None = None
+    """This rank's pod uid (downward API ``POD_UID``): signed into the alarm beside the pod name."""
+
+    drill: bool = False
+    """This run is a drill (``sdcguard drill``): its faults are synthetic and its alarm records say
+    so (``"drill": true``)."""
+
+    keep_resume_points: bool = True
+    """When a save writes a path again (nanoGPT's ``ckpt.pt``) and the checkpoint it held may still
+    be the one a later alarm names as its resume point, keep that file beside it (a hard link
+    where the filesystem has them) as ``<stem>.sdcguard-step<N><suffix>``; it is removed once a
+    newer verified checkpoint covers every window an alarm can open. False: the overwritten
+    checkpoint just leaves the history, and an alarm may then name no checkpoint at all."""
+
     checkpoint_every: int = 0
     """The job's checkpoint interval, if it has one: with ``audit_checkpoints`` those steps are
     audit steps too, so that every checkpoint is one the run can trust (see ``recovery``)."""
@@ -109,7 +123,7 @@ class Config:
                 values[name] = raw if name == "spool" else _parse_int(var, raw)
         if "ranks_per_node" not in values and env.get("LOCAL_WORLD_SIZE", "").strip():
             values["ranks_per_node"] = _parse_int("LOCAL_WORLD_SIZE", env["LOCAL_WORLD_SIZE"])
-        for key, var in (("pod", names.ENV_POD_NAME), ("node", names.ENV_NODE_NAME)):
+        for key, var in (("pod", names.ENV_POD_NAME), ("node", names.ENV_NODE_NAME), ("pod_uid", names.ENV_POD_UID)):
             if env.get(var):
                 values[key] = env[var]
         job = _job_from_env(env)
@@ -133,8 +147,12 @@ def _job_from_env(env: Mapping[str, str]) -> dict[str, str] | None:
     name = env.get(names.ENV_JOB_NAME, "").strip()
     if not name:
         return None
-    return {
+    job = {
         "kind": env.get(names.ENV_JOB_KIND, "").strip() or names.JOB_KIND,
         "name": name,
         "namespace": env.get(names.ENV_POD_NAMESPACE, "").strip() or "default",
     }
+    uid = env.get(names.ENV_JOB_UID, "").strip()
+    if uid:
+        job["uid"] = uid  # signed with the record: the operator compares it with the live job's
+    return job

@@ -41,7 +41,7 @@ from .checks.exchange import DIGEST_BYTES, Incoming, agree, gather_digests, gath
 from .checks.nonfinite import gather_norms, judge_nonfinite, nonfinite_local_ranks, sum_votes
 from .checks.reduce_checksum import judge_checksum
 from .checks.replay import PassResult, Payload, replaying, snapshot_buffers
-from .checks.topology import Topology, gather_topology
+from .checks.topology import Topology, gather_topology, identity
 from .checks.verdict import Verdict
 from .checks.weights import WeightCheck, fingerprint_weights, judge_weight_digests
 from .config import Config
@@ -114,6 +114,7 @@ class Guard:
             hook = torch._dynamo.disable(self._remember_buffers) if self.compiled else self._remember_buffers
             self.replayer.module.register_forward_pre_hook(hook)
         optimizer.register_step_pre_hook(self._refuse_unchecked)
+        optimizer.register_step_post_hook(self._count_update)
         # Internal state of the step in progress.
         self._recording: Step | None = None
         self._current: Step | None = None
@@ -123,6 +124,9 @@ class Guard:
         self.history = recovery.History()
         """What this run has verified: audits, weights, checkpoints (see ``sdcguard.recovery``)."""
         self.last_weights_digest: str | None = None
+        self.updates_through: int | None = None
+        """The last step whose update the weights include (a step done with unapplied counts:
+        its weights are the step before's); what a checkpoint written now records as its step."""
         self.alarms_raised = 0
         self.nonfinite_skipped = 0
         """Steps skipped because of a reproduced NaN/Inf (``on_nonfinite="skip"``)."""
@@ -214,34 +218,48 @@ class Guard:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def save_checkpoint(self, path: str | os.PathLike[str], step: int, state: dict[str, Any] | None = None,
-                        *, when: bool = True, model_key: str = "model") -> str | None:
+    def save_checkpoint(self, path: str | os.PathLike[str], step: int | None = None,
+                        state: dict[str, Any] | None = None, *, when: bool = True,
+                        model_key: str = "model") -> str | None:
         """Check 3, then write ``path`` (your ``state`` dict as it is; by default model, optimizer,
         scaler and step) and its manifest. Every rank calls it; rank 0 decides ``when`` and writes.
-        Returns the path, or None when rank 0 said not to save."""
+
+        The manifest's step is the last step whose update the weights include (``updates_through``;
+        a save at the top of iteration ``it`` holds ``it - 1``): leave ``step`` out, or pass that
+        value; any other is refused. When ``path`` already holds a checkpoint that a later alarm
+        may still name (one file written over and over), that file is kept beside it as
+        ``<stem>.sdcguard-step<N><suffix>`` until a newer verified checkpoint covers every window
+        (``Config.keep_resume_points``). Returns the path, or None when rank 0 said not to save."""
         from .checkpoint import save_checkpoint
         written = save_checkpoint(self, path, step, state, when=when, model_key=model_key)
         return None if written is None else str(written)
 
-    def load_checkpoint(self, path: str | os.PathLike[str], *, model_key: str = "model") -> int:
+    def load_checkpoint(self, path: str | os.PathLike[str], *, model_key: str = "model",
+                        expect_step: int | None = None, expect_sha256: str | None = None) -> int:
         """Resume from a verified checkpoint (every rank calls); return the step it was taken at.
 
         The model, optimizer and scaler are loaded only after the file and the loaded weights
-        match the manifest; the checkpoint then counts as this run's starting point."""
+        match the manifest — and, with ``expect_step`` / ``expect_sha256`` (the alarm's
+        ``last_good_checkpoint_step`` / ``_sha256``), only if it is the checkpoint the alarm
+        named; the checkpoint then counts as this run's starting point."""
         from .checkpoint import load_checkpoint, read_manifest
+        manifest = read_manifest(path, expect_step=expect_step, expect_sha256=expect_sha256)
         state = load_checkpoint(path, self.module, self.optimizer, self.scaler,
-                                map_location=_param_device(self.module), model_key=model_key)
-        manifest = read_manifest(path)
+                                map_location=_param_device(self.module), model_key=model_key,
+                                expect_step=int(manifest["step"]), expect_sha256=manifest["sha256"])
         step = int(manifest["step"])
         del state
         audited = manifest.get("audited_step")
-        earlier = [recovery.Checkpoint(int(c["step"]), str(c["path"]), c.get("audited_step"))
-                   for c in manifest.get("earlier_checkpoints") or [] if _still_holds(c["path"], c["step"])]
+        earlier = [recovery.Checkpoint(int(c["step"]), str(c["path"]), c.get("audited_step"), c.get("sha256"),
+                                       c.get("kept_from"))
+                   for c in manifest.get("earlier_checkpoints") or []
+                   if _still_holds(c["path"], c["step"], c.get("sha256"))]
         self.history = recovery.History(
             last_audited_step=audited, last_weights_verified_step=step,
             last_reduction_verified_step=manifest.get("reduction_verified_step"),
-            checkpoints=[*earlier, recovery.Checkpoint(step, str(path), audited)])
+            checkpoints=[*earlier, recovery.Checkpoint(step, str(path), audited, manifest["sha256"])])
         self.last_weights_digest = manifest["weight_digest"]
+        self.updates_through = step
         return step
 
     # -- the phases of a step (called by Step) -------------------------------------------------
@@ -255,18 +273,26 @@ class Guard:
             self.recorder.begin_step(s.audit, s.step)
         self.stats.last_step = s.step
 
-    def _end(self, s: Step, failed: bool) -> None:
+    def _end(self, s: Step, failed: BaseException | None) -> None:
         self._current = None
         self._update_allowed = False
-        if failed:
+        if isinstance(failed, NonFiniteGradient):
+            self.updates_through = s.step  # done with, unapplied: the weights are the step before's
+        if failed is not None:
             return
         if s.batches and not s.checked:
             raise RuntimeError(f"sdcguard: step {s.step} ended without s.check(): its gradients were never checked")
         if self.is_weight_check_step(s.step):
             self.check_weights(s.step)
+        self.updates_through = s.step  # applied, or skipped by the scaler / on_nonfinite="skip"
         self.stats.last_verified_step = self.history.last_verified_step
         self.stats.steps += 1
         self.stats.flush(self.config.spool)
+
+    def _count_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Optimizer step post-hook: the weights now include this step's update."""
+        if self._current is not None:
+            self.updates_through = self._current.step
 
     def _refuse_unchecked(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Optimizer step pre-hook: no update without a passing check in the step in progress."""
@@ -480,6 +506,7 @@ class Guard:
             reporter_rank=reporter,
             evidence=verdict.evidence,
             **fields,
+            **({"drill": True} if self.config.drill else {}),
         )
         wait = self.config.publish_wait() if self.config.spool else 0.0
         if topo.rank == reporter:
@@ -529,12 +556,13 @@ def unwrap(model: torch.nn.Module) -> tuple[DistributedDataParallel | None, torc
             return ddp, m, compiled
 
 
-def _still_holds(path: str, step: int) -> bool:
+def _still_holds(path: str, step: int, sha256: str | None) -> bool:
     """Whether ``path`` still holds the checkpoint of ``step`` (a path reused by a later save
     holds another step now)."""
     from .checkpoint import CheckpointError, read_manifest
     try:
-        return int(read_manifest(path)["step"]) == int(step)
+        read_manifest(path, expect_step=step, expect_sha256=sha256)
+        return True
     except (CheckpointError, OSError, ValueError):
         return False
 
@@ -566,8 +594,7 @@ def _param_device(module: torch.nn.Module) -> torch.device:
 
 
 def _solo_topology(config: Config) -> Topology:
-    identity = {"rank": 0, "pod": config.pod, "node": config.node}
-    return Topology(0, 1, 1, {0: identity}, run_id=uuid.uuid4().hex[:12], threads={0: torch.get_num_threads()})
+    return Topology(0, 1, 1, {0: identity(0, config.pod, config.node, config.pod_uid)}, run_id=uuid.uuid4().hex[:12], threads={0: torch.get_num_threads()})
 
 
 def _close_at_exit(ref: "weakref.ref[Guard]") -> None:

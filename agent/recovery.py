@@ -20,11 +20,18 @@ the checkpoints before it), so a window can reach back before the checkpoint it 
 checkpoint taken between audits is trusted for a weights fault, not for a compute fault.
 
 ``last_good_checkpoint`` is the newest checkpoint taken at a step before the window (a checkpoint
-at step ``c`` holds the weights after ``c``'s update). Pure functions: unit-tested in-process.
+at step ``c`` holds the weights after ``c``'s update).
+
+A path written again (nanoGPT's ``ckpt.pt``, Lightning's ``last.ckpt``) no longer holds the step
+it held, so its entry leaves the history. When a later alarm could still name that entry (it is
+at or after :func:`resume_floor`), the file is kept beside the new one first, under a name that
+says its step (:func:`kept_path`), and the entry follows it; kept files below the floor are
+removed. Pure functions: unit-tested in-process.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 
 from .contract.alarm import (
     CHECK_NONFINITE_LOCAL, CHECK_NONFINITE_REDUCED, CHECK_REDUCE_CHECKSUM, CHECK_REPLAY, CHECK_WEIGHTS,
@@ -37,6 +44,10 @@ class Checkpoint:
     path: str
     audited_step: int | None
     """The last passing audit at or before ``step`` (what the checkpoint is covered by)."""
+    sha256: str | None = None
+    """The file's SHA-256 as its manifest records it."""
+    kept_from: str | None = None
+    """When sdcguard kept this file because a save overwrote the path it was written to: that path."""
 
 
 @dataclass(slots=True)
@@ -79,6 +90,80 @@ def last_good_checkpoint(window: dict[str, int], history: History) -> Checkpoint
     return max(older, key=lambda c: c.step) if older else None
 
 
+def resume_floor(history: History) -> int | None:
+    """The oldest checkpoint step a later alarm can still name, or None when every one may be.
+
+    An alarm's window starts after the step a check last cleared (the last passing audit, check 3,
+    check 4); those steps only grow, so each check's newest checkpoint at or before the step it
+    cleared bounds what it can name from now on. A check that has cleared nothing yet either
+    never runs, or will clear a step no older than every checkpoint that exists now."""
+    anchors = []
+    for cleared in (history.last_audited_step, history.last_weights_verified_step,
+                    history.last_reduction_verified_step):
+        if cleared is None:
+            continue
+        older = [c.step for c in history.checkpoints if c.step <= cleared]
+        if not older:
+            return None
+        anchors.append(max(older))
+    return min(anchors) if anchors else None
+
+
+def kept_path(path: str, step: int) -> str:
+    """Where an overwritten checkpoint of ``step`` is kept: ``ckpt.pt`` -> ``ckpt.sdcguard-step20.pt``."""
+    head, name = os.path.split(path)
+    stem, dot, suffix = name.rpartition(".")
+    kept = f"{stem}.sdcguard-step{step}.{suffix}" if dot and stem else f"{name}.sdcguard-step{step}"
+    return os.path.join(head, kept)
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    """What a save of ``path`` at ``step`` does to the files and to the history."""
+
+    keep: Checkpoint | None
+    """The entry ``path`` holds now, to keep at ``kept_path`` before the path is written again."""
+    dropped: tuple[Checkpoint, ...]
+    """Entries that leave the history: the one the path held (unless kept), and kept copies
+    below the floor (their files are removed)."""
+    remove: tuple[str, ...]
+    """Kept files to delete (sdcguard made them; the user's own files are never deleted)."""
+
+
+def plan_save(history: History, path: str, step: int, *, keep: bool) -> SavePlan:
+    """Decide, before ``path`` is written with the checkpoint of ``step``, what to keep and remove."""
+    same_path = [c for c in history.checkpoints if c.path == path]
+    others = [c for c in history.checkpoints if c.path != path]
+    # The history as it would be with every entry kept: which of them can an alarm still name?
+    candidate = History(history.last_audited_step, max(step, history.last_weights_verified_step or step),
+                        history.last_reduction_verified_step, [*history.checkpoints, Checkpoint(step, path, None)])
+    floor = resume_floor(candidate)
+    needed = [c for c in same_path if keep and c.step != step and (floor is None or c.step >= floor)
+              and not any(o.step == c.step for o in others)]  # a copy of that step exists already
+    kept = max(needed, key=lambda c: c.step) if needed else None
+    stale = tuple(c for c in others if c.kept_from is not None and floor is not None and c.step < floor)
+    dropped = tuple(c for c in same_path if c is not kept) + stale
+    return SavePlan(kept, dropped, tuple(c.path for c in stale))
+
+
+def after_save(history: History, plan: SavePlan, saved: Checkpoint, kept_as: str | None) -> History:
+    """The history once ``saved`` was written as planned (``kept_as``: where the kept entry went,
+    None when keeping it failed)."""
+    gone = {id(c) for c in plan.dropped}
+    entries = []
+    for c in history.checkpoints:
+        if id(c) in gone:
+            continue
+        if c is plan.keep:
+            if kept_as is None:
+                continue
+            c = replace(c, path=kept_as, kept_from=c.path)
+        entries.append(c)
+    entries.append(saved)
+    entries.sort(key=lambda c: c.step)
+    return replace(history, checkpoints=entries)
+
+
 def recovery_fields(check: str, step: int, history: History) -> dict[str, object]:
     """The alarm record's recovery fields (SPEC §3; the v1 additive ones included)."""
     window = suspect_window(check, step, history)
@@ -90,6 +175,9 @@ def recovery_fields(check: str, step: int, history: History) -> dict[str, object
         "last_weights_verified_step": history.last_weights_verified_step,
         "last_good_checkpoint": good.path if good else None,
         "last_good_checkpoint_step": good.step if good else None,
+        "last_good_checkpoint_sha256": good.sha256 if good else None,
+        # Set when sdcguard kept the file because the path it was saved to was written again.
+        "last_good_checkpoint_kept_from": good.kept_from if good else None,
         # Resuming from a checkpoint at c recomputes c+1..step; with none, from the beginning.
         "steps_at_risk": step - (good.step if good else -1),
     }

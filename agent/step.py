@@ -131,7 +131,8 @@ class Step:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        self.guard._end(self, failed=exc_type is not None)
+        failed = None if exc_type is None else exc if exc is not None else RuntimeError(exc_type)
+        self.guard._end(self, failed=failed)
         return False
 
     @contextlib.contextmanager

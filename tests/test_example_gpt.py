@@ -6,7 +6,11 @@ Five launches, shared by the tests (each ~12-20 s on this 2-core machine):
   faults    train.py resumed from clean's checkpoint at step 6 to 10, with --keep-going and, in turn,
             grad-bitflip on rank 1 at step 6 (an audit), forward-nan on rank 0 at step 7, an Inf
             loss weight in rank 1's data at step 8, weight-bitflip on rank 2 before step 9;
-  resumed   train.py resumed from clean's checkpoint at step 6 to 12, no faults: clean's final weights;
+  overwritten  train.py as written (one ckpt.pt, saved at every evaluation: every 3 steps), a
+            grad-bitflip on rank 1 caught by the audit at 6: its window (4..6) reaches back past
+            the save that ckpt.pt held before it was written again at 6;
+  recovered train.py resumed as the alarm says (its last_good_checkpoint, step and sha256) to 12,
+            no faults: clean's final weights, bit for bit;
   compiled  train.py --compile (DDP around torch.compile, as nanoGPT), audits on; ~25 s with a
             warm inductor cache (/tmp/torchinductor_$USER), ~55 s cold.
 """
@@ -65,8 +69,17 @@ def faults(tmp_path_factory, clean):
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory, clean):
-    return launch("train.py", tmp_path_factory.mktemp("resumed"), *COMMON, "--resume", str(clean["out"] / "ckpt.pt"))
+def overwritten(tmp_path_factory):
+    return launch("train.py", tmp_path_factory.mktemp("overwritten"), *COMMON, "--eval-interval", "3",
+                  "--steps", "7", "--keep-going", "--inject", "grad-bitflip:rank=1:step=6")
+
+
+@pytest.fixture(scope="module")
+def recovered(tmp_path_factory, overwritten):
+    [alarm] = overwritten["alarms"]
+    return launch("train.py", tmp_path_factory.mktemp("recovered"), *COMMON,
+                  "--resume", alarm["last_good_checkpoint"], "--expect-step", str(alarm["last_good_checkpoint_step"]),
+                  "--expect-sha256", alarm["last_good_checkpoint_sha256"])
 
 
 @pytest.fixture(scope="module")
@@ -124,13 +137,31 @@ def test_resume_continues_from_the_checkpoint(clean, faults):
         assert after["checkpoints"] == [6]                  # re-saved before any alarm
 
 
-def test_a_resumed_run_ends_bitwise_where_the_uninterrupted_run_ends(clean, resumed):
+def test_an_alarm_names_a_file_that_still_holds_the_step_it_names(overwritten):
+    """Before: the alarm named ckpt.pt at step 2, but ckpt.pt had been written again at 6 (step 5,
+    inside the window) and its manifest with it: resuming as told restarted inside the window."""
+    [alarm] = overwritten["alarms"]
+    assert (alarm["check"], alarm["step"], alarm["suspect_ranks"]) == ("replay", 6, [1])
+    assert alarm["suspect_window"] == {"first_step": 4, "last_step": 6}
+    out = overwritten["out"]
+    assert alarm["last_good_checkpoint"] == str(out / "ckpt.sdcguard-step2.pt")
+    assert alarm["last_good_checkpoint_kept_from"] == str(out / "ckpt.pt")
+    assert (alarm["last_good_checkpoint_step"], alarm["steps_at_risk"]) == (2, 4)
+    checked = subprocess.run([sys.executable, "-m", "sdcguard.cli", "verify-checkpoint", alarm["last_good_checkpoint"],
+                              "--step", "2", "--sha256", alarm["last_good_checkpoint_sha256"]],
+                             capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    # ckpt.pt itself holds step 5 now, and says so
+    assert json.loads((out / "ckpt.pt.sdcguard.json").read_text())["step"] == 5
+
+
+def test_resuming_as_the_alarm_says_ends_bitwise_where_the_uninterrupted_run_ends(clean, recovered):
     # train.py settles DDP's buckets when it resumes (sdcguard.settle_buckets): without that, its
-    # first step would reduce in DDP's initial bucket layout, the uninterrupted run's step 6 in the
+    # first step would reduce in DDP's initial bucket layout, the uninterrupted run's step 3 in the
     # rebuilt one, and the final weights would differ in the last bits
-    for r in resumed["results"]:
-        assert (r["first_step"], r["final_step"], r["alarms"], r["errors"]) == (6, 12, [], [])
-    assert _same_weights_everywhere(resumed) == _same_weights_everywhere(clean)
+    for r in recovered["results"]:
+        assert (r["first_step"], r["final_step"], r["alarms"], r["errors"]) == (3, 12, [], [])
+    assert _same_weights_everywhere(recovered) == _same_weights_everywhere(clean)
 
 
 def test_injected_faults_are_caught_by_the_right_check_naming_the_rank(faults):

@@ -6,6 +6,7 @@ when they do not are the digests gathered and details fetched, and only from the
 from __future__ import annotations
 
 import io
+import json
 import math
 import pickle
 from collections import Counter
@@ -124,6 +125,19 @@ def broadcast_digest(digest: bytes | None, src: int, device: torch.device, group
     words = torch.tensor(_digest_to_words(digest or bytes(DIGEST_BYTES)), dtype=torch.int64, device=device)
     dist.broadcast(words, src=_global(group, src), group=group)
     return _words_to_bytes(words)
+
+
+def broadcast_json(obj: Any, src: int, device: torch.device, group: dist.ProcessGroup | None) -> Any:
+    """Rank ``src`` tells everyone a small JSON value (the others pass None): bytes in a tensor,
+    never a pickle, so a peer cannot make this rank run code."""
+    data = json.dumps(obj).encode() if obj is not None else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=_global(group, src), group=group)
+    blob = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else torch.empty(
+        int(size), dtype=torch.uint8, device=device)
+    TRAFFIC["details"] += len(data)
+    dist.broadcast(blob, src=_global(group, src), group=group)
+    return json.loads(blob.cpu().numpy().tobytes().decode())
 
 
 def _digest_to_words(digest: bytes) -> list[int]:

@@ -53,6 +53,14 @@ class Topology:
         return healthy[0] if healthy else 0
 
 
+def identity(rank: int, pod: str | None, node: str | None, pod_uid: str | None) -> dict[str, Any]:
+    """What an alarm says of a rank: ``{rank, pod, node}``, and the pod's uid where it is known."""
+    who: dict[str, Any] = {"rank": rank, "pod": pod, "node": node}
+    if pod_uid:
+        who["pod_uid"] = pod_uid
+    return who
+
+
 def gather_topology(config: Config, group: dist.ProcessGroup | None = None) -> Topology:
     """One collective at start-up: every rank's identity, and rank 0's run id."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -62,10 +70,10 @@ def gather_topology(config: Config, group: dist.ProcessGroup | None = None) -> T
             f"world size {world} is not a multiple of ranks_per_node {per_node} "
             "(set SDCGUARD_RANKS_PER_NODE or LOCAL_WORLD_SIZE)"
         )
-    mine = {"rank": rank, "pod": config.pod, "node": config.node, "run_id": uuid.uuid4().hex[:12],
-            "threads": torch.get_num_threads()}
+    mine = {"rank": rank, "pod": config.pod, "node": config.node, "pod_uid": config.pod_uid,
+            "run_id": uuid.uuid4().hex[:12], "threads": torch.get_num_threads()}
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
-    identities = {e["rank"]: {"rank": e["rank"], "pod": e["pod"], "node": e["node"]} for e in everyone}
+    identities = {e["rank"]: identity(e["rank"], e["pod"], e["node"], e["pod_uid"]) for e in everyone}
     threads = {e["rank"]: e["threads"] for e in everyone}
     return Topology(rank, world, per_node, identities, run_id=everyone[0]["run_id"], threads=threads)

@@ -17,13 +17,27 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from ..contract import alarm as _alarm
 from ..child_process import die_with_parent
 from ..contract import names, spool
 from .report import build_report, print_summary
 from ..faults.spec import FaultSpec, FaultSpecError, parse_fault
+
+
+DESCRIPTION = """\
+A real multi-process DDP training of a small model with the faults you inject, judged and reported:
+the first-run demo and the fault-injection release test.
+
+Safe inside an enabled pod: the drill takes no setting from the environment. Its checks run on its
+flags and defaults only (SDCGUARD_AUDIT_EVERY, SDCGUARD_WEIGHT_CHECK_EVERY, ... are ignored), each
+simulated node k is drill-node-k (POD_NAME and NODE_NAME are ignored; --placement names real pods
+and nodes), and its alarms go to its own temporary spool (SDCGUARD_SPOOL is ignored; --spool DIR
+sends them to DIR, e.g. a sidecar's). Every record it writes carries "drill": true.
+
+Exit status: 0 passed, 1 a fault missed or misattributed / an unsafe resume / an unexplained
+alarm, 2 bad input, 3 the run itself failed."""
 
 
 class DrillInputError(ValueError):
@@ -159,18 +173,12 @@ def _launch(cfg: dict[str, Any]) -> list[int]:
     procs = []
     for rank in range(cfg["world_size"]):
         env = {
-            **os.environ,
+            **rank_environment(os.environ),
             "RANK": str(rank), "WORLD_SIZE": str(cfg["world_size"]),
             "LOCAL_RANK": str(rank % cfg["ranks_per_node"]),
             "LOCAL_WORLD_SIZE": str(cfg["ranks_per_node"]),
-            names.ENV_NODE_NAME: f"drill-node-{rank // cfg['ranks_per_node']}",
             "OMP_NUM_THREADS": "1",
         }
-        if cfg.get("placement"):
-            where = cfg["placement"]["nodes"][rank // cfg["ranks_per_node"]]
-            env.update({names.ENV_POD_NAME: where["pod"], names.ENV_NODE_NAME: where["node"],
-                        names.ENV_POD_NAMESPACE: cfg["placement"]["namespace"],
-                        names.ENV_JOB_NAME: cfg["placement"]["job"], names.ENV_JOB_KIND: names.JOB_KIND})
         procs.append(subprocess.Popen([sys.executable, "-m", "sdcguard.drill.worker", str(config_path)], env=env,
                                       preexec_fn=die_with_parent))
     try:
@@ -179,6 +187,15 @@ def _launch(cfg: dict[str, Any]) -> list[int]:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def rank_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The parent's environment less what describes the job the drill may run inside: the
+    ``SDCGUARD_*`` settings, the downward-API identity and torchrun's rendezvous. The worker
+    reads none of it (its Config comes from the drill's flags); dropping it keeps it so."""
+    dropped = {names.ENV_POD_NAME, names.ENV_POD_NAMESPACE, names.ENV_NODE_NAME, names.ENV_POD_UID,
+               "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"}
+    return {k: v for k, v in environ.items() if k not in dropped and not k.startswith("SDCGUARD_")}
 
 
 def _alarms_since(spool_dir: str, started: float) -> list[dict[str, Any]]:

@@ -1,7 +1,8 @@
 """One rank of a drill: real DDP training of the drill model, with faults injected.
 
-Started by ``sdcguard drill`` as ``python -m sdcguard.drill.worker CONFIG.json`` with ``RANK``,
-``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` and ``NODE_NAME`` set; writes ``rank-<r>.json`` when done.
+Started by ``sdcguard drill`` as ``python -m sdcguard.drill.worker CONFIG.json`` with ``RANK`` and
+``WORLD_SIZE`` set; everything else (the checks' settings, the spool, each rank's pod and node)
+comes from the drill's CONFIG, never from the environment. Writes ``rank-<r>.json`` when done.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config import Config
+from ..contract import names
 from .model import PARAM, SITE, DrillModel, loss_fn, make_batch
 from ..errors import SDCDetected
 from ..faults.judge import suspect_window
@@ -81,13 +83,25 @@ def build(cfg: dict[str, Any], rank: int, device: torch.device, injector: FaultI
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     injector.install(model, optimizer, site=SITE, param=PARAM)
     reduce_hook, reduce_state = injector.reduce_hook_around(inner_state=ddp.process_group)
-    guard = Guard(
-        ddp, optimizer, _on_device(loss_fn, device),
-        config=Config.from_env(audit_every=cfg["audit_every"], weight_check_every=cfg["weight_check_every"],
-                               spool=cfg["spool"], seed=cfg["seed"]),
-        reduce_hook=reduce_hook, reduce_state=reduce_state,
-    )
+    guard = Guard(ddp, optimizer, _on_device(loss_fn, device), config=drill_config(cfg, rank),
+                  reduce_hook=reduce_hook, reduce_state=reduce_state)
     return Trainer(model, optimizer, guard)
+
+
+def drill_config(cfg: dict[str, Any], rank: int) -> Config:
+    """The checks' settings from the drill's own flags only — never from ``SDCGUARD_*``, ``POD_NAME``
+    or ``NODE_NAME``: inside an enabled pod those are the job's, and its spool is the sidecar's."""
+    node = rank // cfg["ranks_per_node"]
+    placement = cfg.get("placement")
+    if placement:
+        where = placement["nodes"][node]
+        pod, node_name = where["pod"], where["node"]
+        job = {"kind": names.JOB_KIND, "name": placement["job"], "namespace": placement["namespace"]}
+    else:
+        pod, node_name, job = None, f"drill-node-{node}", None
+    return Config(audit_every=cfg["audit_every"], weight_check_every=cfg["weight_check_every"],
+                  spool=cfg["spool"], seed=cfg["seed"], ranks_per_node=cfg["ranks_per_node"],
+                  pod=pod, node=node_name, job=job, drill=True)
 
 
 def train(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -163,8 +177,10 @@ def _resume(cfg: dict[str, Any], job: Trainer, alarm: dict[str, Any], snapshots:
     """Load the state to resume from into ``job``: (its step, the checkpoint file or None)."""
     if cfg["checkpoint_every"]:
         path = alarm.get("last_good_checkpoint")
-        if path:
-            return job.guard.load_checkpoint(path), Path(path).name
+        if path:  # exactly the file the alarm named, or nothing
+            step = job.guard.load_checkpoint(path, expect_step=alarm["last_good_checkpoint_step"],
+                                             expect_sha256=alarm.get("last_good_checkpoint_sha256"))
+            return step, Path(path).name
         return _restore(snapshots[0], job), None  # nothing verified on disk before the window
     return _restore(resume_point(snapshots, suspect_window(alarm)[0]), job), None
 
@@ -192,6 +208,7 @@ def _restore(snapshot: Snapshot, job: Trainer) -> int:
     job.model.load_state_dict(snapshot.model)
     job.optimizer.load_state_dict(copy.deepcopy(snapshot.optimizer))
     if snapshot.step >= 0:
+        job.guard.updates_through = snapshot.step
         job.guard.history = History(last_audited_step=snapshot.audited_step, last_weights_verified_step=snapshot.step,
                                     last_reduction_verified_step=snapshot.reduction_verified_step)
     return snapshot.step

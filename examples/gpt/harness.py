@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--seed", type=int, default=1337, help="model initialisation seed (the same on every rank)")
     add("--out", default="out-gpt", help="checkpoints and per-rank result files")
     add("--resume", metavar="PATH", help="resume from this checkpoint")
+    add("--expect-step", type=int, help="sdcguard: resume only if --resume holds this step (the alarm's last_good_checkpoint_step)")
+    add("--expect-sha256", help="sdcguard: resume only if --resume has these bytes (the alarm's last_good_checkpoint_sha256)")
     add("--audit-every", type=int, default=10, help="sdcguard: replay audit every N steps (SDCGUARD_* wins)")
     add("--weight-check-every", type=int, default=5, help="sdcguard: weight check every N steps")
     add("--inject", action="append", default=[], metavar="SPEC",

@@ -85,7 +85,8 @@ config = sdcguard.Config.from_env(audit_every=args.audit_every, weight_check_eve
 guard = sdcguard.Guard(model, optimizer, loss_fn, config=config, scaler=scaler, reduce_hook=injector.reduce_hook)
 if args.resume:
     optimizer.load_state_dict(checkpoint["optimizer"])
-    guard.load_checkpoint(args.resume)  # verified against its manifest
+    # verified against its manifest; with an alarm's step and sha256, only the file it named
+    guard.load_checkpoint(args.resume, expect_step=args.expect_step, expect_sha256=args.expect_sha256)
     checkpoint = None
 
 
@@ -127,7 +128,7 @@ while iter_num < args.steps:
                 checkpoint = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
                               "model_args": model_args, "iter_num": iter_num, "best_val_loss": best_val_loss,
                               "config": vars(args)}
-                guard.save_checkpoint(ckpt_path, iter_num - 1, checkpoint)  # check 3, then rank 0 writes
+                guard.save_checkpoint(ckpt_path, state=checkpoint)  # check 3, then rank 0 writes (step iter_num - 1)
                 results.data["checkpoints"].append(iter_num)
     injector.begin_step(iter_num)
     with results.step(iter_num), guard.step(iter_num, micro_batches=args.accum) as s:
