@@ -3,6 +3,7 @@ the right step, naming exactly the right rank and node. Several faults share one
 replaces the suspects and resumes from the newest verified state before each alarm's suspect
 window, and ends bit for bit where the same drill without faults ends (20 steps, 2 micro-batches)."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -201,17 +202,31 @@ def test_replay_evidence_and_attribution_paths(replay_faults):
     assert by_step[8]["pairs"][0]["loss_bits_owner"] != by_step[8]["pairs"][0]["loss_bits_replay"]
 
 
-def test_two_nodes_detect_but_cannot_attribute(tmp_path_factory):
+def test_two_nodes_detect_but_cannot_attribute_and_the_pods_environment_changes_nothing(tmp_path_factory):
+    """The drill run as a release test inside an enabled job's pod, with everything the webhook
+    sets there. Before: its ranks took SDCGUARD_SPOOL (the sidecar's: the synthetic alarm would
+    have been published and acted on), SDCGUARD_AUDIT_EVERY (here 0: the fault would escape),
+    POD_NAME / NODE_NAME (every rank one node), and judged their own alarm MISSED."""
     out = tmp_path_factory.mktemp("two-nodes")
+    sidecar_spool = out / "sidecar-spool"
+    sidecar_spool.mkdir()
+    pod_env = {"SDCGUARD_SPOOL": str(sidecar_spool), "SDCGUARD_AUDIT_EVERY": "0", "SDCGUARD_WEIGHT_CHECK_EVERY": "0",
+               "SDCGUARD_RANKS_PER_NODE": "1", "SDCGUARD_SEED": "9", "SDCGUARD_JOB_NAME": "llm",
+               "SDCGUARD_JOB_KIND": "PyTorchJob", "SDCGUARD_JOB_UID": "0b5e6f1c", "POD_NAME": "llm-worker-0",
+               "POD_NAMESPACE": "team-a", "NODE_NAME": "hyperpod-i-0123456789abcdef0", "POD_UID": "9d1c",
+               "LOCAL_WORLD_SIZE": "8"}
     proc = subprocess.run(
         [sys.executable, "-m", "sdcguard.cli", "drill", "--nodes", "2", "--ranks-per-node", "2",
          "--steps", "6", "--audit-every", "3", "--inject", "grad-bitflip:rank=1:step=3",
          "--report", str(out / "report.json")],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, env={**os.environ, **pod_env},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((out / "report.json").read_text())
     [alarm] = report["alarms"]
     assert (alarm["check"], alarm["step"], alarm["ambiguous"]) == ("replay", 3, True)
     assert alarm["suspect_ranks"] == [1, 3]
+    assert [s["node"] for s in alarm["suspects"]] == ["drill-node-0", "drill-node-1"]
+    assert alarm["drill"] is True and alarm["job"] is None and alarm["reporter"]["pod"] is None
     assert report["injected"][0]["outcome"] == "caught-ambiguous"
+    assert list(sidecar_spool.iterdir()) == []  # nothing reached the sidecar's spool
