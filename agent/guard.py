@@ -88,7 +88,7 @@ class Guard:
             raise TypeError("with more than one process, Guard needs the model wrapped in "
                             "DistributedDataParallel (or torch.compile of it)")
         self.device = _collective_device(self.group) if self.ddp is not None else _param_device(self.module)
-        self.topology: Topology = (gather_topology(self.config, self.group) if self.ddp is not None
+        self.topology: Topology = (gather_topology(self.config, self.group, self.device) if self.ddp is not None
                                    else _solo_topology(self.config))
         self.solo = self.topology.world_size == 1
         self.named_parameters = list(self.module.named_parameters())
@@ -440,7 +440,7 @@ class Guard:
     def _raise_if_replays_failed(self, step: int, failure: Exception | None) -> None:
         """Every rank learns which replays failed (this runs only after a vetoed agreement) and
         raises the same ReplayError."""
-        said = gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}", self.group)
+        said = gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}", self.group, self.device)
         failures = {rank: msg for rank, msg in enumerate(said) if msg is not None}
         if failures:
             raise ReplayError(step, failures) from failure
@@ -472,7 +472,7 @@ class Guard:
         return verdict
 
     def _judge_weights(self, step: int, mine: WeightCheck, digests: list[bytes]) -> Verdict | None:
-        verdict = judge_weight_digests(mine, digests, self.topology.rank, self.group)
+        verdict = judge_weight_digests(mine, digests, self.topology.rank, self.group, self.device)
         if verdict is None:
             self._weights_verified(step, mine)
         return verdict

@@ -40,7 +40,7 @@ class Replayer:
 
     def run(self, payload: Payload, scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
             with_norm: bool = False) -> PassResult:
-        return replay(self.module, self.loss_fn, self.params, payload, seed=self.seed,
+        return replay(self.module, self.loss_fn, self.params, Payload.from_wire(payload), seed=self.seed,
                       device=self.device, scale=scale, with_norm=with_norm)
 
     # -- check 2 -------------------------------------------------------------------------------
@@ -61,7 +61,8 @@ class Replayer:
         if not pairs:
             return None
         involved = {x for pair in pairs for x in pair}
-        details = gather_objects((own, mine) if me in involved else None, self.group)
+        said = gather_objects([own.to_json(), mine.to_json()] if me in involved else None, self.group, self.device)
+        details = [None if d is None else [PassResult.from_json(d[0]), PassResult.from_json(d[1])] for d in said]
         found = attribute(pairs, topo.units)
         suspects, ambiguous, tiebreaks = set(found.suspects), found.ambiguous, []
         for replayer, owner in found.tiebreaks:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import pickle
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -65,12 +64,20 @@ def gather_digests(digests: list[bytes], device: torch.device, group: dist.Proce
     return out
 
 
-def gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
-    """All-gather picklable objects; used only on a mismatch, for details (others send None)."""
-    TRAFFIC["details"] += len(pickle.dumps(obj))
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+def gather_objects(obj: Any, group: dist.ProcessGroup | None, device: torch.device | None = None) -> list[Any]:
+    """All-gather small JSON values (numbers, strings, lists, dicts; others send None): used at
+    start-up and on a mismatch, for details. JSON in a uint8 tensor, never a pickle: a peer that
+    reaches this rank's collectives can send it wrong data, not make it run code."""
+    device = device or torch.device("cpu")
+    data = json.dumps(obj).encode()
+    TRAFFIC["details"] += len(data)
+    sizes = gather_tensor(torch.tensor([len(data)], dtype=torch.int64, device=device), group, "details").view(-1)
+    longest = int(sizes.max())
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    if data:
+        padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    parts = gather_tensor(padded, group, "details")
+    return [json.loads(part[:int(n)].cpu().numpy().tobytes().decode()) for part, n in zip(parts, sizes.tolist())]
 
 
 @dataclass(slots=True)
@@ -171,15 +178,25 @@ def _global(group: dist.ProcessGroup | None, rank: int) -> int:
 
 
 def serialize(payload: Any) -> torch.Tensor:
-    """A payload as the uint8 tensor :func:`ring_post` sends."""
+    """A payload (tensors, numbers, strings and lists / tuples / dicts of them; an object with
+    ``to_wire()`` is sent as what that returns) as the uint8 tensor :func:`ring_post` sends."""
     buf = io.BytesIO()
-    torch.save(payload, buf)
+    torch.save(payload.to_wire() if hasattr(payload, "to_wire") else payload, buf)
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
+class WireError(ValueError):
+    """Bytes from a peer that are not a plain payload (tensors and containers of them)."""
+
+
 def _from_bytes(blob: torch.Tensor, device: torch.device) -> Any:
-    """Unpickle; tensors that lived on a GPU of the sender land on this rank's GPU."""
+    """Load a peer's payload with torch's restricted loader (``weights_only=True``: tensors,
+    numbers, strings and containers only, never code); tensors that lived on a GPU of the
+    sender land on this rank's GPU."""
     def remap(storage: Any, location: str) -> Any:
         return storage.to(device) if location.startswith("cuda") and device.type == "cuda" else storage
-    # weights_only=False: the payload is a training batch from a peer rank of the same job.
-    return torch.load(io.BytesIO(blob.cpu().numpy().tobytes()), map_location=remap, weights_only=False)
+    try:
+        return torch.load(io.BytesIO(blob.cpu().numpy().tobytes()), map_location=remap, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - the unpickler raises many kinds
+        raise WireError("a replayed batch must be tensors, numbers, strings and lists / tuples / dicts of them "
+                        f"(it is loaded with weights_only=True): {exc}") from None

@@ -59,6 +59,20 @@ class Payload:
     weighting: list[Weighting | None] = field(default_factory=list)
     """How each micro-batch's loss was weighted before its backward (None or empty: not at all)."""
 
+    def to_wire(self) -> dict[str, Any]:
+        """Plain containers and tensors only: what a peer loads with ``weights_only=True``."""
+        return {"step": self.step, "owner": self.owner, "micro_batches": list(self.micro_batches),
+                "buffers": self.buffers, "weighting": [None if w is None else [w.op, w.value] for w in self.weighting]}
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> Payload:
+        if isinstance(wire, Payload):
+            return wire
+        if not isinstance(wire, dict) or not {"step", "owner", "micro_batches"} <= set(wire):
+            raise ValueError("not a replay payload")
+        return cls(int(wire["step"]), int(wire["owner"]), list(wire["micro_batches"]), list(wire.get("buffers") or []),
+                   [None if w is None else Weighting(str(w[0]), float(w[1])) for w in wire.get("weighting") or []])
+
 
 @dataclass(slots=True)
 class PassResult:
@@ -71,6 +85,16 @@ class PassResult:
     nonfinite_micro: int | None = None
     """With ``grad_sq_norm``: the first micro-batch after which the loss or the accumulated
     gradient was no longer finite."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"loss": [list(fp) for fp in self.loss_fps], "grad": {str(i): list(fp) for i, fp in self.grad_fps.items()},
+                "grad_sq_norm": self.grad_sq_norm, "nonfinite_micro": self.nonfinite_micro}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PassResult:
+        return cls([Fingerprint(int(a), int(b)) for a, b in data["loss"]],
+                   {int(i): Fingerprint(int(a), int(b)) for i, (a, b) in data["grad"].items()},
+                   data.get("grad_sq_norm"), data.get("nonfinite_micro"))
 
     def digest(self) -> bytes:
         h = hashlib.blake2b(digest_size=16)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
+from .exchange import gather_objects
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +62,8 @@ def identity(rank: int, pod: str | None, node: str | None, pod_uid: str | None) 
     return who
 
 
-def gather_topology(config: Config, group: dist.ProcessGroup | None = None) -> Topology:
+def gather_topology(config: Config, group: dist.ProcessGroup | None = None,
+                    device: torch.device | None = None) -> Topology:
     """One collective at start-up: every rank's identity, and rank 0's run id."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     per_node = config.ranks_per_node or world
@@ -72,8 +74,7 @@ def gather_topology(config: Config, group: dist.ProcessGroup | None = None) -> T
         )
     mine = {"rank": rank, "pod": config.pod, "node": config.node, "pod_uid": config.pod_uid,
             "run_id": uuid.uuid4().hex[:12], "threads": torch.get_num_threads()}
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone: list[Any] = gather_objects(mine, group, device)
     identities = {e["rank"]: identity(e["rank"], e["pod"], e["node"], e["pod_uid"]) for e in everyone}
     threads = {e["rank"]: e["threads"] for e in everyone}
     return Topology(rank, world, per_node, identities, run_id=everyone[0]["run_id"], threads=threads)

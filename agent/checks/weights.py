@@ -38,7 +38,8 @@ def fingerprint_weights(named_parameters: Sequence[tuple[str, torch.Tensor]]) ->
 
 
 def judge_weight_digests(mine: WeightCheck, digests: list[bytes], rank: int,
-                         group: dist.ProcessGroup | None = None) -> Verdict | None:
+                         group: dist.ProcessGroup | None = None,
+                         device: torch.device | None = None) -> Verdict | None:
     """None when every rank's digest agrees; otherwise name the odd replicas, fetching
     per-parameter fingerprints only from them and from one rank of the majority."""
     if len(set(digests)) == 1:
@@ -47,7 +48,8 @@ def judge_weight_digests(mine: WeightCheck, digests: list[bytes], rank: int,
     fingerprints: list[list[Fingerprint] | None] = [None] * len(digests)
     if majority is not None:
         needed = {r for r, d in enumerate(digests) if d != majority} | {digests.index(majority)}
-        fingerprints = gather_objects(mine.fingerprints if rank in needed else None, group)
+        said = gather_objects([list(fp) for fp in mine.fingerprints] if rank in needed else None, group, device)
+        fingerprints = [None if f is None else [Fingerprint(int(a), int(b)) for a, b in f] for f in said]
     return judge_weights(digests, fingerprints, mine.names)
 
 
