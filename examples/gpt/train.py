@@ -85,8 +85,7 @@ config = sdcguard.Config.from_env(audit_every=args.audit_every, weight_check_eve
 guard = sdcguard.Guard(model, optimizer, loss_fn, config=config, scaler=scaler, reduce_hook=injector.reduce_hook)
 if args.resume:
     optimizer.load_state_dict(checkpoint["optimizer"])
-    # verified against its manifest; with an alarm's step and sha256, only the file it named
-    guard.load_checkpoint(args.resume, expect_step=args.expect_step, expect_sha256=args.expect_sha256)
+    guard.load_checkpoint(args.resume, expect_step=args.expect_step, expect_sha256=args.expect_sha256)  # verified
     checkpoint = None
 
 
