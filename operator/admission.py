@@ -13,6 +13,8 @@ mutating webhook with ``failurePolicy: Fail`` for CREATE and UPDATE of ``noderep
 - a decision, once made, never changes (nor does its reason or its decider);
 - the target (node, instance, cluster, instance group) and the incident references are the
   operator's: nobody else may change them after creation;
+- only the operator creates NodeReplacements (the operator also seals its own and never adopts one
+  without its seal, which holds while this webhook is absent);
 - ``spec.release`` (``kubectl sdcguard release NODE``: give a Failed replacement's storm-guard slot
   back) is treated like a decision: it needs ``approve``, records ``spec.releasedBy`` /
   ``releasedByGroups`` from the authenticated user, and is final.
@@ -68,6 +70,9 @@ def judge(operation: str, old: Mapping[str, Any] | None, new: Mapping[str, Any] 
     """The rules above for ``spec`` before (``old``, None on CREATE) and after (``new``)."""
     old, new = dict(old or {}), dict(new or {})
     is_operator = bool(operator_username) and username == operator_username
+    if operation == "CREATE" and operator_username and not is_operator:
+        return _refuse("OperatorCreates", "NodeReplacements are created by the sdcguard operator only "
+                       "(one it did not create is never acted on)")
     if operation == "UPDATE" and not is_operator:
         changed = [f for f in OPERATOR_FIELDS if old.get(f) != new.get(f)]
         target = [f for f in changed if f in TARGET_FIELDS]

@@ -1,7 +1,8 @@
 """Containment: suspend the job, cordon and label suspect nodes, under the storm guard.
 
 The storm guard's slots live in the API, not in memory: a ConfigMap, ``sdcguard-storm-guard`` in
-the operator's namespace, maps each node sdcguard holds to the incident that took it.  A slot is
+the operator's namespace, maps each node sdcguard holds to the incident (and job) that took it.
+Three limits apply: cluster-wide (``maxConcurrentSuspectNodes``), per namespace and per job.  A slot is
 taken with a compare-and-swap (a patch conditional on the ConfigMap's resourceVersion), so two
 incidents handled at once — by two handlers of one process or by two replicas — cannot both take
 the last slot; only then is the node cordoned and labelled ``sdcguard.dev/suspect=true``.  Nodes
@@ -72,23 +73,50 @@ def slots(settings: Settings) -> dict[str, str]:
     return taken
 
 
-def _take_slot(node_name: str, incident_ref: str, settings: Settings) -> bool:
-    """Compare-and-swap a slot for the node into the ledger; False when the storm guard is full."""
+def slot_value(incident_ref: str, job: str) -> str:
+    """A slot's value: ``<namespace>/<incident> job=<job>`` (older operators wrote the ref alone)."""
+    return f"{incident_ref} job={job}"
+
+
+def _owner_of(value: str) -> tuple[str, str]:
+    """(namespace, job) of a slot value; ("", "") for a labelled node without a slot."""
+    ref, _, job = value.partition(" job=")
+    return ref.split("/", 1)[0] if "/" in ref else "", job
+
+
+def full(taken: dict[str, str], namespace: str, job: str, settings: Settings) -> str | None:
+    """Which storm-guard limit a new slot of (namespace, job) would exceed, or None (SPEC §9: per
+    job and per namespace beside the cluster-wide one, so one tenant cannot take every slot)."""
+    owners = [_owner_of(v) for v in taken.values()]
+    if len(taken) >= settings.max_concurrent_suspect_nodes:
+        return "MaxConcurrentSuspectNodes"
+    if sum(1 for ns, _ in owners if ns == namespace) >= settings.max_suspect_nodes_per_namespace:
+        return "MaxSuspectNodesPerNamespace"
+    if sum(1 for ns, j in owners if (ns, j) == (namespace, job)) >= settings.max_suspect_nodes_per_job:
+        return "MaxSuspectNodesPerJob"
+    return None
+
+
+def _take_slot(node_name: str, incident_ref: str, job: str, settings: Settings) -> str | None:
+    """Compare-and-swap a slot for the node into the ledger; None when taken, else the limit that is full."""
     namespace = ledger_namespace(settings)
     for _ in range(LEDGER_RETRIES):
         ledger = _ledger(namespace)
         data = dict(ledger.data or {})
         if node_name in data:
-            return True  # taken before (by us before a crash, or by another incident of the node)
-        taken = set(data) | set(suspect_nodes())
+            return None  # taken before (by us before a crash, or by another incident of the node)
+        taken = dict(data)
+        for node in suspect_nodes():
+            taken.setdefault(node, "")
         metrics.SUSPECT_NODES.set(len(taken))
-        if node_name not in taken and len(taken) >= settings.max_concurrent_suspect_nodes:
-            return False
+        limit = full(taken, incident_ref.split("/", 1)[0], job, settings) if node_name not in taken else None
+        if limit:
+            return limit
         try:
             kube.core().patch_namespaced_config_map(LEDGER, namespace, {
                 "metadata": {"resourceVersion": ledger.metadata.resource_version},
-                "data": {node_name: incident_ref}})
-            return True
+                "data": {node_name: slot_value(incident_ref, job)}})
+            return None
         except kubernetes.client.ApiException as exc:
             if not kube.conflict(exc):
                 raise  # another slot changed meanwhile: count again
@@ -102,8 +130,10 @@ def _give_slot(node_name: str, settings: Settings) -> None:
         kube.core().patch_namespaced_config_map(LEDGER, namespace, {"data": {node_name: None}})
 
 
-def cordon(node_name: str, incident_ref: str, settings: Settings) -> str:
-    """Cordon + label one node: "cordoned", "already" (labelled before), "storm-guard" or "missing"."""
+def cordon(node_name: str, incident_ref: str, job: str, settings: Settings) -> str:
+    """Cordon + label one node: "cordoned", "already" (labelled before), "missing", or the name of
+    the storm-guard limit that holds it back (``MaxConcurrentSuspectNodes``, ``...PerNamespace``,
+    ``...PerJob``)."""
     try:
         node = kube.core().read_node(node_name)
     except Exception as exc:
@@ -112,9 +142,10 @@ def cordon(node_name: str, incident_ref: str, settings: Settings) -> str:
         raise
     if (node.metadata.labels or {}).get(names.SUSPECT_LABEL) == "true":
         return "already"
-    if not _take_slot(node_name, incident_ref, settings):
+    limit = _take_slot(node_name, incident_ref, job, settings)
+    if limit:
         metrics.STORM_GUARD_HOLDS.inc()
-        return "storm-guard"
+        return limit
     annotations = {names.INCIDENT_ANNOTATION: incident_ref}
     if node.spec is not None and node.spec.unschedulable:
         annotations[names.WAS_UNSCHEDULABLE_ANNOTATION] = "true"

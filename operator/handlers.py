@@ -48,12 +48,12 @@ def _wants_key(annotations: kopf.Annotations, namespace: str | None, **_: Any) -
 def job_alarm_key(body: kopf.Body, type: str | None, logger: logging.Logger, **_: Any) -> None:
     """Every enabled PyTorchJob, also those listed at start-up (type None), gets its alarm key."""
     if type != "DELETED":
-        alarm_keys.ensure(dict(body), logger)
+        alarm_keys.ensure(dict(body), SETTINGS, logger)
 
 
 def job_alarm_key_recheck(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     """A key Secret deleted while its job lives is recreated (the job itself may never change)."""
-    alarm_keys.ensure(dict(body), logger)
+    alarm_keys.ensure(dict(body), SETTINGS, logger)
 
 
 def alarm_event(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:

@@ -18,7 +18,9 @@ import kopf
 
 from sdcguard.contract import names
 
-from . import contain, hyperpod, kube, localize, metrics, replacement
+from sdcguard.contract import alarm as alarm_schema
+
+from . import contain, hyperpod, kube, localize, master_key, metrics, replacement
 from .settings import Settings
 
 
@@ -41,21 +43,106 @@ def find(namespace: str, name: str) -> dict[str, Any] | None:
         raise
 
 
-def manifest(record: dict[str, Any], event_name: str) -> dict[str, Any]:
+def seal(settings: Settings, namespace: str, name: str, spec: dict[str, Any]) -> str:
+    """The operator's mark on an incident it created: over its name and the signed alarm it holds."""
+    text = spec.get("alarmText") or ""
+    return master_key.seal(settings, "SDCIncident", namespace, name, str(spec.get("jobUid") or ""),
+                           hashlib.sha256(text.encode()).hexdigest(), str(spec.get("alarmSignature") or ""))
+
+
+def manifest(record: dict[str, Any], event_name: str, *, text: str = "", signature: str | None = None,
+             job_uid: str = "", settings: Settings | None = None) -> dict[str, Any]:
     job = record["job"]
     window = record.get("suspect_window") or {"first_step": record["step"], "last_step": record["step"]}
-    return {
-        "apiVersion": names.API_VERSION, "kind": "SDCIncident",
-        "metadata": {"name": incident_name(record), "namespace": job["namespace"],
-                     "labels": {names.INCIDENT_JOB_LABEL: job["name"][:63]}},
-        "spec": {
-            "job": dict(job), "check": record["check"], "step": record["step"], "ambiguous": record["ambiguous"],
-            "suspects": [dict(s) for s in record["suspects"]], "reporter": dict(record["reporter"]),
-            "suspectWindow": {"firstStep": window.get("first_step"), "lastStep": window.get("last_step")},
-            "lastVerifiedStep": record["last_verified_step"], "lastGoodCheckpoint": record["last_good_checkpoint"],
-            "alarmId": record["id"], "event": event_name, "alarm": record,
-        },
+    spec = {
+        "job": dict(job), "check": record["check"], "step": record["step"], "ambiguous": record["ambiguous"],
+        "suspects": [dict(s) for s in record["suspects"]], "reporter": dict(record["reporter"]),
+        "suspectWindow": {"firstStep": window.get("first_step"), "lastStep": window.get("last_step")},
+        "lastVerifiedStep": record["last_verified_step"], "lastGoodCheckpoint": record["last_good_checkpoint"],
+        "lastGoodCheckpointSha256": record.get("last_good_checkpoint_sha256") if isinstance(
+            record.get("last_good_checkpoint_sha256"), str) else None,
+        "lastGoodCheckpointStep": _step(record.get("last_good_checkpoint_step")),
+        "drill": record.get("drill") is True,
+        "alarmId": record["id"], "event": event_name, "alarm": record,
+        "jobUid": job_uid, "alarmText": text, "alarmSignature": signature,
     }
+    spec = {k: v for k, v in spec.items() if v is not None}
+    body = {"apiVersion": names.API_VERSION, "kind": "SDCIncident",
+            "metadata": {"name": incident_name(record), "namespace": job["namespace"],
+                         "labels": {names.INCIDENT_JOB_LABEL: job["name"][:63]}},
+            "spec": spec}
+    if settings is not None:
+        body["metadata"]["annotations"] = {names.SEAL_ANNOTATION: seal(settings, job["namespace"],
+                                                                       body["metadata"]["name"], spec)}
+    return body
+
+
+class NotVerified(Exception):
+    """An incident the operator does not act on; ``reason`` is a CamelCase word."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason, self.message = reason, message
+
+
+def verify(body: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """An incident counts only if the operator created it (its seal) from a signed alarm that still
+    verifies, and its spec says what that alarm says (SPEC §9); returns the alarm record."""
+    from . import signing, validate  # signing imports validate, which must not import this module
+    meta, spec = body["metadata"], body.get("spec") or {}
+    namespace, name = meta["namespace"], meta["name"]
+    if (spec.get("job") or {}).get("namespace") != namespace:
+        raise NotVerified("NamespaceMismatch", f"spec.job.namespace {(spec.get('job') or {}).get('namespace')!r} "
+                          f"is not the incident's own namespace {namespace!r}")
+    if not master_key.sealed(settings, (meta.get("annotations") or {}).get(names.SEAL_ANNOTATION), "SDCIncident",
+                             namespace, name, str(spec.get("jobUid") or ""),
+                             hashlib.sha256((spec.get("alarmText") or "").encode()).hexdigest(),
+                             str(spec.get("alarmSignature") or "")):
+        raise NotVerified("NotCreatedByOperator", "the incident carries no valid operator seal: sdcguard did not "
+                          "create it from a signed alarm (or its alarm was edited)")
+    try:
+        record = alarm_schema.loads(spec["alarmText"])
+    except (KeyError, alarm_schema.AlarmError) as exc:
+        raise NotVerified("MalformedAlarm", str(exc)) from None
+    if spec.get("alarmSignature"):
+        try:
+            signing.verify(record, spec["alarmText"], spec["alarmSignature"], spec["jobUid"], settings)
+        except validate.Rejected as exc:
+            raise NotVerified(exc.reason, exc.message) from None
+    elif settings.require_signed_alarms:
+        raise NotVerified("UnsignedAlarm", "the incident's alarm is unsigned (SDCGUARD_REQUIRE_SIGNED_ALARMS is true)")
+    expected = manifest(record, spec.get("event") or "", text=spec["alarmText"], signature=spec.get("alarmSignature"),
+                        job_uid=spec.get("jobUid") or "")
+    if expected["metadata"]["name"] != name or expected["metadata"]["namespace"] != namespace:
+        raise NotVerified("NameMismatch", f"the alarm belongs in {expected['metadata']['namespace']}/"
+                          f"{expected['metadata']['name']}, not {namespace}/{name}")
+    changed = [k for k in ("job", "check", "step", "suspects", "reporter") if spec.get(k) != expected["spec"].get(k)]
+    if changed:
+        raise NotVerified("SpecChanged", f"spec.{', spec.'.join(changed)} differ from the signed alarm")
+    return record
+
+
+def _verify_suspect(spec: dict[str, Any], status: dict[str, Any], node: str, settings: Settings) -> str | None:
+    """Why a suspect node may not be cordoned now, or None: at every reconcile the node must still run
+    the job's pod the alarm named (same pod uid and owner uid), unless that pod is gone because
+    sdcguard suspended the job."""
+    from . import validate
+    job = spec["job"]
+    at = alarm_schema.rfc3339_seconds(spec["alarm"]["time"]) if isinstance(spec.get("alarm"), dict) else 0.0
+    for identity in [s for s in spec["suspects"] if s.get("node") == node]:
+        try:
+            pod = kube.core().read_namespaced_pod(identity["pod"], job["namespace"])
+        except Exception as exc:
+            if not kube.not_found(exc):
+                raise
+            if kube.is_true(status, "JobSuspended"):
+                continue  # the training operator deletes a suspended job's pods
+            return f"pod {identity['pod']} no longer exists"
+        try:
+            validate.check_pod(pod, identity, job, spec["jobUid"], at, settings)
+        except validate.Rejected as exc:
+            return f"{exc.reason}: {exc.message}"
+    return None
 
 
 def recovery(spec: dict[str, Any]) -> dict[str, Any]:
@@ -95,9 +182,10 @@ def _step(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def open_or_join(record: dict[str, Any], event_name: str) -> tuple[str, bool]:
-    """Create the incident, or join the existing one; (name, created)."""
-    body = manifest(record, event_name)
+def open_or_join(record: dict[str, Any], event_name: str, text: str, signature: str | None, job_uid: str,
+                 settings: Settings) -> tuple[str, bool]:
+    """Create the incident (sealed), or join the existing one; (name, created)."""
+    body = manifest(record, event_name, text=text, signature=signature, job_uid=job_uid, settings=settings)
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     try:
         kube.custom().create_namespaced_custom_object(names.GROUP, names.VERSION, namespace, names.INCIDENTS, body)
@@ -130,9 +218,17 @@ def reconcile(body: dict[str, Any], settings: Settings) -> None:
     retries can all call it.  Raises kopf.TemporaryError while the storm guard holds a node back.
     """
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    spec = body["spec"]
     ref = f"{namespace}/{name}"
-    status = kube.get_incident(namespace, name).get("status") or {}
+    body = kube.get_incident(namespace, name)
+    spec = body["spec"]
+    status = body.get("status") or {}
+    try:
+        verify(body, settings)
+    except NotVerified as exc:
+        metrics.INCIDENTS_REFUSED.labels(exc.reason).inc()
+        _record(namespace, name, "NotVerified", f"not acted on: {exc.message}", only_if=_no_condition("Verified"),
+                conditions=[kube.condition("Verified", False, exc.reason, exc.message)])
+        return
     if not status.get("phase"):
         status = _open(namespace, name, spec)
     elif "suspectWindow" not in status:  # opened by an operator that did not record the plan yet
@@ -142,13 +238,18 @@ def reconcile(body: dict[str, Any], settings: Settings) -> None:
     status = kube.get_incident(namespace, name).get("status") or {}
     _open_replacements(namespace, name, ref, status, settings)
     if held:
+        limits = {"MaxConcurrentSuspectNodes": f"{settings.max_concurrent_suspect_nodes} suspect nodes already "
+                  "cordoned (maxConcurrentSuspectNodes)",
+                  "MaxSuspectNodesPerNamespace": f"namespace {namespace} already holds "
+                  f"{settings.max_suspect_nodes_per_namespace} suspect nodes (maxSuspectNodesPerNamespace)",
+                  "MaxSuspectNodesPerJob": f"job {spec['job']['name']} already holds "
+                  f"{settings.max_suspect_nodes_per_job} suspect nodes (maxSuspectNodesPerJob)"}
+        reason = held[0][1]
+        held = [node for node, _ in held]
         if not kube.is_true(status, "StormGuard"):
-            _record(namespace, name, "StormGuard",
-                    f"{held} not cordoned: {settings.max_concurrent_suspect_nodes} suspect nodes already "
-                    "cordoned (maxConcurrentSuspectNodes)",
+            _record(namespace, name, "StormGuard", f"{held} not cordoned: {limits[reason]}",
                     only_if=lambda st: not kube.is_true(st, "StormGuard"),
-                    conditions=[kube.condition("StormGuard", True, "MaxConcurrentSuspectNodes",
-                                               f"held back: {', '.join(held)}")])
+                    conditions=[kube.condition("StormGuard", True, reason, f"held back: {', '.join(held)}")])
         raise kopf.TemporaryError(f"storm guard holds {held}", delay=settings.storm_guard_recheck_seconds)
     status = kube.get_incident(namespace, name).get("status") or {}
     if kube.is_true(status, "StormGuard"):
@@ -181,7 +282,7 @@ def _open(namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     """First record, with the recovery plan; duplicates may have joined already (their count is kept)."""
     plan = recovery(spec)
     at_risk = f", {plan['stepsAtRisk']} steps at risk" if plan["stepsAtRisk"] is not None else ""
-    message = (f"{spec['check']} alarm at step {spec['step']} naming "
+    message = (f"{'drill ' if spec.get('drill') else ''}{spec['check']} alarm at step {spec['step']} naming "
                f"{', '.join(str(s['node']) for s in spec['suspects']) or 'no rank'}; resume from "
                f"{resume_text(plan)}{at_risk}")
 
@@ -217,6 +318,8 @@ def _node_unset(node: str, key: str) -> Any:
 def needs_work(status: dict[str, Any], **_: Any) -> bool:
     """Level-triggered safety net (a kopf timer): an incident not yet contained, or held by the
     storm guard, is reconciled again even if a lost progress patch left kopf nothing to retry."""
+    if any(c.get("type") == "Verified" and c.get("status") == "False" for c in status.get("conditions") or []):
+        return False  # not the operator's: never acted on
     return status.get("phase") in (None, "Containing") or kube.is_true(status, "StormGuard")
 
 
@@ -235,17 +338,23 @@ def _suspend(namespace: str, name: str, spec: dict[str, Any], status: dict[str, 
 
 
 def _cordon_all(namespace: str, name: str, ref: str, spec: dict[str, Any], status: dict[str, Any],
-                settings: Settings) -> list[str]:
+                settings: Settings) -> list[tuple[str, str]]:
     """Cordon every suspect node not yet recorded as cordoned; return those the storm guard holds."""
     held = []
     nodes = dict.fromkeys(s["node"] for s in spec["suspects"] if s.get("node"))
     recorded = status.get("nodes") or {}
     for node in nodes:
-        if (recorded.get(node) or {}).get("cordoned") or (recorded.get(node) or {}).get("missing"):
+        if (recorded.get(node) or {}).get("cordoned") or (recorded.get(node) or {}).get("missing") \
+                or (recorded.get(node) or {}).get("refused"):
             continue
-        outcome = contain.cordon(node, ref, settings)
-        if outcome == "storm-guard":
-            held.append(node)
+        problem = _verify_suspect(spec, status, node, settings)
+        if problem:
+            _record(namespace, name, "SuspectRefused", f"{node} is not cordoned: {problem}",
+                    nodes={node: {"refused": problem[:500]}}, only_if=_node_unset(node, "refused"))
+            continue
+        outcome = contain.cordon(node, ref, spec["job"]["name"], settings)
+        if outcome.startswith("Max"):
+            held.append((node, outcome))
         elif outcome == "missing":
             _record(namespace, name, "NodeMissing", f"node {node} no longer exists", nodes={node: {"missing": True}},
                     only_if=_node_unset(node, "missing"))
@@ -272,7 +381,7 @@ def _open_replacements(namespace: str, name: str, ref: str, status: dict[str, An
         except hyperpod.AwsError as exc:
             _record(namespace, name, "NotLocalized", str(exc), nodes={node: {"localizeError": str(exc)}})
             continue
-        replacement_name = replacement.ensure(node, found, ref)
+        replacement_name = replacement.ensure(node, found, ref, settings)
         _record(namespace, name, "ReplacementCreated",
                 f"{node} is instance {found.instance_id} of {found.cluster} (from {found.source}); "
                 f"NodeReplacement {replacement_name}",

@@ -1,8 +1,11 @@
 """Alarm intake: an Event with reason SilentDataCorruption becomes an SDCIncident, or is rejected.
 
 The signature comes first (:mod:`.signing`): an unsigned Event, or one whose signature does not
-match under the named job's key, is rejected before anything else is read or written (parsing the
-record, which names the job, is the only step before it). A rejection is logged with its reason,
+match under the key of the named job (its live uid), is rejected before anything is written.
+Then the tenant boundary (SPEC §9): the record's ``job.uid`` and ``pod_uid`` are the live ones,
+its time is fresh, its id is not in the job's ledger (:mod:`.ledger`: an id counts once, also
+after its incident is gone: ``ReplayedAlarm``), and every suspect pod is controlled by the job and
+runs on the node named, and is older than the alarm. A rejection is logged with its reason,
 counted, reported as a Warning Event (on the operator's pod when it knows it, else on the alarm
 Event's involved pod) and touches nothing else.  The outcome is written to the alarm Event's
 ``sdcguard.dev/intake`` annotation, and an Event that already carries one is not handled again
@@ -19,7 +22,7 @@ import kopf
 
 from sdcguard.contract import names
 
-from . import incident, kube, metrics, signing, validate
+from . import incident, kube, ledger, metrics, signing, validate
 from .settings import Settings
 
 
@@ -47,17 +50,29 @@ def _handle(event: dict[str, Any], settings: Settings, logger: logging.Logger | 
     try:
         signature = signing.presented(event, settings, logger)
         record = validate.parse(event, settings)
+        text = validate.annotation(event)
+        job = validate.check_job(record, settings)
+        job_uid = job["metadata"]["uid"]
         if signature is not None:
-            signing.verify(record, validate.annotation(event), signature)
+            signing.verify(record, text, signature, job_uid, settings)
+        validate.check_uids(record, job_uid, settings)
+        validate.check_fresh(record, settings)
         namespace, name = record["job"]["namespace"], incident.incident_name(record)
-        if incident.find(namespace, name) is not None:  # a duplicate: the fault was validated already
+        first = ledger.claim(record, job, event_name, name, settings) == "first"
+        existing = incident.find(namespace, name)
+        if existing is not None:  # a duplicate of a fault already validated (or a replay while it is open)
+            _check_ours(existing, settings)
             incident.join(namespace, name, record["id"], event_name)
             metrics.ALARMS_ACCEPTED.labels("duplicate").inc()
             logger.info(f"alarm {record['id']} joined incident {namespace}/{name}")
             return f"joined:{name}"
-        validate.check_job(record)
-        validate.check_pods(record)
-        name, created = incident.open_or_join(record, event_name)
+        if not first:
+            raise validate.Rejected("ReplayedAlarm", f"alarm id {record['id']} was handled before (ledger "
+                                    f"{namespace}/{ledger.ledger_name(record['job']['name'])}); it counts once")
+        validate.check_pods(record, job_uid, settings)
+        name, created = incident.open_or_join(record, event_name, text, signature, job_uid, settings)
+        if not created:
+            _check_ours(incident.find(namespace, name) or {}, settings)
     except validate.Rejected as rejected:
         metrics.ALARMS_REJECTED.labels(rejected.reason).inc()
         logger.warning(f"alarm Event {event_name} rejected: {rejected.reason}: {rejected.message}")
@@ -67,6 +82,15 @@ def _handle(event: dict[str, Any], settings: Settings, logger: logging.Logger | 
     metrics.ALARMS_ACCEPTED.labels("new" if created else "duplicate").inc()
     logger.info(f"alarm {record['id']} -> incident {namespace}/{name} ({'new' if created else 'joined'})")
     return f"{'incident' if created else 'joined'}:{name}"
+
+
+def _check_ours(body: dict[str, Any], settings: Settings) -> None:
+    """An incident of that name that the operator did not create is never joined (nor acted on)."""
+    try:
+        incident.verify(body, settings)
+    except incident.NotVerified as exc:
+        raise validate.Rejected("ForeignIncident", f"SDCIncident {body.get('metadata', {}).get('name')} exists but "
+                                f"was not created by sdcguard ({exc.reason}: {exc.message})") from None
 
 
 def _report_target(event: dict[str, Any], settings: Settings) -> dict[str, Any]:

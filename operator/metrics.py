@@ -8,10 +8,19 @@ ALARMS_ACCEPTED = prom.Counter("sdcguard_alarms_accepted_total",
 ALARMS_REJECTED = prom.Counter("sdcguard_alarms_rejected_total", "Alarm Events rejected, by reason", ["reason"])
 ALARMS_UNSIGNED = prom.Counter("sdcguard_alarms_unsigned_accepted_total",
                                "Unsigned alarm Events let through because SDCGUARD_REQUIRE_SIGNED_ALARMS=false")
+ALARMS_WITHOUT_UIDS = prom.Counter("sdcguard_alarms_without_uids_accepted_total",
+                                   "Alarm records without job.uid / pod_uid let through because "
+                                   "SDCGUARD_REQUIRE_ALARM_UIDS=false")
 ALARM_KEYS = prom.Counter("sdcguard_alarm_keys_created_total", "Per-job alarm-key Secrets created")
 ADMISSION = prom.Counter("sdcguard_nodereplacement_admission_total",
                          "NodeReplacement admission reviews, by outcome (allowed, decided, denied reason)", ["outcome"])
 INCIDENTS = prom.Counter("sdcguard_incidents_total", "SDCIncidents opened", ["check"])
+INCIDENTS_REFUSED = prom.Counter("sdcguard_incidents_refused_total",
+                                 "SDCIncidents not acted on (not sealed by the operator, alarm does not verify, "
+                                 "spec edited), by reason", ["reason"])
+REPLACEMENTS_REFUSED = prom.Counter("sdcguard_replacements_refused_total",
+                                    "NodeReplacements or decisions not acted on (not created by the operator, "
+                                    "decision not recorded by admission), by reason", ["reason"])
 NODES_CORDONED = prom.Counter("sdcguard_nodes_cordoned_total", "Nodes cordoned and labelled suspect")
 STORM_GUARD_HOLDS = prom.Counter("sdcguard_storm_guard_holds_total",
                                  "Cordons held back because maxConcurrentSuspectNodes was reached")

@@ -24,7 +24,7 @@ import kopf
 
 from sdcguard.contract import names
 
-from . import approval, contain, hyperpod, kube, metrics
+from . import approval, contain, hyperpod, kube, master_key, metrics
 from .localize import Location
 from .settings import Settings
 
@@ -36,8 +36,24 @@ REPLACING_STATUSES = {"ShuttingDown", "Pending", "NotFound"}
 
 def is_open(status: dict[str, Any], **_: Any) -> bool:
     """The timer runs until a terminal phase (level-triggered: it also catches a decision made at
-    any time; the spec.decision handler only makes that faster)."""
-    return status.get("phase") not in TERMINAL
+    any time; the spec.decision handler only makes that faster), never for an object the operator
+    did not create."""
+    foreign = any(c.get("type") == "CreatedByOperator" and c.get("status") == "False"
+                  for c in status.get("conditions") or [])
+    return status.get("phase") not in TERMINAL and not foreign
+
+
+def seal(settings: Settings, name: str, target: dict[str, Any]) -> str:
+    """The operator's mark on a NodeReplacement it created: over its name and target."""
+    return master_key.seal(settings, "NodeReplacement", name, *(str(target.get(f) or "") for f in TARGET_FIELDS))
+
+
+def ours(body: dict[str, Any], settings: Settings) -> bool:
+    """Created by this operator (SPEC §9: a NodeReplacement it did not create is never adopted)."""
+    annotations = (body.get("metadata") or {}).get("annotations") or {}
+    target = (body.get("status") or {}).get("target") or body.get("spec") or {}  # the recorded one, once there
+    return master_key.sealed(settings, annotations.get(names.SEAL_ANNOTATION), "NodeReplacement",
+                             body["metadata"]["name"], *(str(target.get(f) or "") for f in TARGET_FIELDS))
 
 
 def target_of(node: str, where: Location) -> dict[str, str]:
@@ -52,13 +68,16 @@ def spec_target(spec: dict[str, Any]) -> dict[str, Any]:
     return {f: spec[f] for f in TARGET_FIELDS if spec.get(f) is not None}
 
 
-def ensure(node: str, where: Location, incident_ref: str) -> str:
-    """The open NodeReplacement of this node and instance, created if needed (never two at once),
-    with its target recorded in the status."""
+def ensure(node: str, where: Location, incident_ref: str, settings: Settings) -> str:
+    """The open NodeReplacement of this node and instance, created (sealed) if needed (never two at
+    once), with its target recorded in the status. An object of that name the operator did not
+    create (pre-created, perhaps with a decision set) is passed over, never adopted: the next name
+    is tried."""
     target = target_of(node, where)
     for n in itertools.count(1):
         name = node if n == 1 else f"{node}-{n}"
-        body = {"apiVersion": names.API_VERSION, "kind": "NodeReplacement", "metadata": {"name": name},
+        body = {"apiVersion": names.API_VERSION, "kind": "NodeReplacement",
+                "metadata": {"name": name, "annotations": {names.SEAL_ANNOTATION: seal(settings, name, target)}},
                 "spec": {**target, "incidents": [incident_ref]}}
         try:
             kube.custom().create_cluster_custom_object(names.GROUP, names.VERSION, names.REPLACEMENTS, body)
@@ -69,6 +88,9 @@ def ensure(node: str, where: Location, incident_ref: str) -> str:
                 raise
         existing = kube.get_replacement(name)
         status = existing.get("status") or {}
+        if not ours(existing, settings):
+            metrics.REPLACEMENTS_REFUSED.labels("NotCreatedByOperator").inc()
+            continue
         if spec_target(existing["spec"]) == target and status.get("phase") not in TERMINAL \
                 and status.get("target", target) == target:
             if not status.get("target"):  # created just before a crash
@@ -118,6 +140,9 @@ def reconcile(body: dict[str, Any], settings: Settings) -> None:
     name = body["metadata"]["name"]
     body = kube.get_replacement(name)
     status = body.get("status") or {}
+    if not ours(body, settings):
+        _refuse_foreign(body)
+        return
     _export_pending(name, body)
     target = status.get("target") or _target_from_incidents(body)
     if not target or status.get("phase") in TERMINAL:
@@ -134,24 +159,65 @@ def reconcile(body: dict[str, Any], settings: Settings) -> None:
     if not status.get("phase"):
         status = _phase(body, "HealthCheck", "Opened", f"node {target['nodeName']}, instance "
                         f"{target['instanceId']}, cluster {target['clusterName']}")
-    decision = approval.recorded(status)
-    wanted = approval.requested(body.get("spec") or {})
-    if decision is None and wanted == "Denied":
-        status = approval.record(name, body, "Denied")
-        decision = "Denied"
+    decision, status = _decision(body, status, settings)
     if decision == "Denied":
         _deny(body, status, settings)
         return
     if status["phase"] == "HealthCheck":
         status = _health_check(body, status, settings)
     if status["phase"] == "PendingApproval":
-        if decision is None and wanted == "Approved":
-            status = approval.record(name, body, "Approved")
-            decision = "Approved"
+        if decision is None and approval.requested(body.get("spec") or {}) == "Approved":
+            decision, status = _decision(body, status, settings)
         if decision == "Approved":
             status = _replace(body, status, settings)
     if status["phase"] == "Replacing":
         _follow(body, status, settings)
+
+
+def _decision(body: dict[str, Any], status: dict[str, Any], settings: Settings) -> tuple[str | None, dict[str, Any]]:
+    """The decision to act on, and the status: only one that ``spec.decision`` holds, that admission
+    attributed (``spec.decidedBy``), and that the status agrees with (recorded here on first sight).
+    A decision only in the status (a ``/status`` write passes no admission) or one nobody is
+    recorded for is never acted on (SPEC §9)."""
+    name = body["metadata"]["name"]
+    spec = body.get("spec") or {}
+    recorded, wanted = approval.recorded(status), approval.requested(spec)
+    attributed = bool(spec.get("decidedBy")) or not settings.require_admission_decisions
+    if recorded is not None and recorded != wanted:
+        _refuse_once(body, "DecisionMismatch", f"status.decision {recorded!r} is not spec.decision {wanted!r}: "
+                     "a decision written to the status alone is not acted on")
+        return None, status
+    if wanted is None:
+        return None, status
+    if not attributed:
+        _refuse_once(body, "DecisionNotAttributed", f"spec.decision {wanted} was not recorded by admission "
+                     "(no spec.decidedBy): is the sdcguard NodeReplacement webhook installed?")
+        return None, status
+    if recorded is None:
+        if wanted == "Approved" and status.get("phase") != "PendingApproval":
+            return None, status  # recorded once the health check is done
+        status = approval.record(name, body, wanted)
+    return wanted, status
+
+
+def _refuse_once(body: dict[str, Any], reason: str, message: str) -> None:
+    status = body.get("status") or {}
+    if any(c.get("type") == "DecisionRefused" and c.get("reason") == reason for c in status.get("conditions") or []):
+        return
+    metrics.REPLACEMENTS_REFUSED.labels(reason).inc()
+    kube.record(names.REPLACEMENTS, None, body["metadata"]["name"], "DecisionRefused", message,
+                conditions=[kube.condition("DecisionRefused", True, reason, message)])
+
+
+def _refuse_foreign(body: dict[str, Any]) -> None:
+    """A NodeReplacement the operator did not create: marked once, never acted on."""
+    status = body.get("status") or {}
+    if any(c.get("type") == "CreatedByOperator" for c in status.get("conditions") or []):
+        return
+    metrics.REPLACEMENTS_REFUSED.labels("NotCreatedByOperator").inc()
+    message = "not created by the sdcguard operator (no valid operator seal): never acted on"
+    kube.record(names.REPLACEMENTS, None, body["metadata"]["name"], "NotAdopted", message,
+                conditions=[kube.condition("CreatedByOperator", False, "NotCreatedByOperator", message)])
 
 
 # The timeline events that move a NodeReplacement into PendingApproval (see _health_check).
@@ -184,7 +250,8 @@ def release(body: dict[str, Any], settings: Settings) -> None:
     name = body["metadata"]["name"]
     body = kube.get_replacement(name)
     spec, status = body.get("spec") or {}, body.get("status") or {}
-    if not spec.get("release") or status.get("released") or status.get("phase") != "Failed":
+    if not spec.get("release") or status.get("released") or status.get("phase") != "Failed" \
+            or not ours(body, settings) or (settings.require_admission_decisions and not spec.get("releasedBy")):
         return
     node = (status.get("target") or {}).get("nodeName") or spec.get("nodeName")
     by = spec.get("releasedBy") or approval.UNATTRIBUTED

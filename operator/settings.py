@@ -24,6 +24,13 @@ class Settings:
     """SDCGUARD_NAMESPACES: comma-separated namespaces whose alarms are accepted; empty = all."""
     max_concurrent_suspect_nodes: int = 2
     """SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES: storm guard, nodes cordoned by sdcguard at once."""
+    max_suspect_nodes_per_job: int = 2
+    """SDCGUARD_MAX_SUSPECT_NODES_PER_JOB: storm guard, nodes one job's incidents may hold at once
+    (unset: the cluster-wide limit)."""
+    max_suspect_nodes_per_namespace: int = 2
+    """SDCGUARD_MAX_SUSPECT_NODES_PER_NAMESPACE: storm guard, nodes one namespace's incidents may hold
+    at once, so that one tenant cannot take every cluster-wide slot (unset: the cluster-wide limit;
+    set it below that limit on a shared cluster)."""
     suspend_jobs: bool = True
     """SDCGUARD_SUSPEND_JOBS: set spec.runPolicy.suspend on the PyTorchJob of an incident."""
     deep_health_checks: tuple[str, ...] = DEEP_HEALTH_CHECKS
@@ -63,6 +70,23 @@ class Settings:
     """SDCGUARD_REQUIRE_SIGNED_ALARMS: reject alarm Events without a signature (UnsignedAlarm); false
     accepts them, counted and logged, while old sidecars are replaced. A wrong signature is always
     rejected."""
+    require_alarm_uids: bool = True
+    """SDCGUARD_REQUIRE_ALARM_UIDS: refuse a record without the signed ``job.uid`` and
+    ``suspects[].pod_uid`` (``MissingUid``); false accepts records of older libraries (counted,
+    logged; the live job's and pods' uids are then not compared, the pods' lifetimes still are)."""
+    max_alarm_age_seconds: float = 21600.0
+    """SDCGUARD_MAX_ALARM_AGE_SECONDS: an alarm whose ``time`` is older than this is refused
+    (``StaleAlarm``); long enough for a sidecar to outlast an API server outage."""
+    clock_skew_seconds: float = 30.0
+    """SDCGUARD_CLOCK_SKEW_SECONDS: tolerance between a node's clock (the alarm's ``time``) and
+    the API server's (pod creationTimestamp, now)."""
+    require_admission_decisions: bool = True
+    """SDCGUARD_REQUIRE_ADMISSION_DECISIONS: act on a NodeReplacement decision only when admission
+    recorded its decider (``spec.decidedBy``); false only for a cluster without the webhook."""
+    master_key_file: str | None = None
+    """SDCGUARD_MASTER_KEY_FILE: the operator's master key (>= 32 bytes) every job's alarm key is
+    derived from; empty: the Secret ``sdcguard-master-key`` in the operator's namespace (created
+    on first start)."""
     operator_username: str | None = None
     """SDCGUARD_OPERATOR_USERNAME: the operator's own user as the API server authenticates it
     (``system:serviceaccount:<namespace>:<name>``); the NodeReplacement webhook lets only it write
@@ -78,11 +102,14 @@ class Settings:
         unknown = [c for c in checks if c not in DEEP_HEALTH_CHECKS]
         if unknown:
             raise ValueError(f"SDCGUARD_DEEP_HEALTH_CHECKS: unknown checks {unknown}; allowed: {DEEP_HEALTH_CHECKS}")
+        cluster_limit = _int(env, "SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES", 2)
         settings = cls(
             cluster_name=env.get("SDCGUARD_CLUSTER_NAME") or None,
             region=env.get("SDCGUARD_REGION") or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None,
             namespaces=_csv(env.get("SDCGUARD_NAMESPACES", "")),
             max_concurrent_suspect_nodes=_int(env, "SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES", 2),
+            max_suspect_nodes_per_job=_int(env, "SDCGUARD_MAX_SUSPECT_NODES_PER_JOB", cluster_limit),
+            max_suspect_nodes_per_namespace=_int(env, "SDCGUARD_MAX_SUSPECT_NODES_PER_NAMESPACE", cluster_limit),
             suspend_jobs=_bool(env, "SDCGUARD_SUSPEND_JOBS", True),
             deep_health_checks=checks,
             poll_seconds=_float(env, "SDCGUARD_POLL_SECONDS", 30.0),
@@ -99,12 +126,22 @@ class Settings:
             key_recheck_seconds=_float(env, "SDCGUARD_KEY_RECHECK_SECONDS", 60.0),
             metrics_port=_int(env, "SDCGUARD_METRICS_PORT", 8080),
             require_signed_alarms=_bool(env, "SDCGUARD_REQUIRE_SIGNED_ALARMS", True),
+            require_alarm_uids=_bool(env, "SDCGUARD_REQUIRE_ALARM_UIDS", True),
+            max_alarm_age_seconds=_float(env, "SDCGUARD_MAX_ALARM_AGE_SECONDS", 21600.0),
+            clock_skew_seconds=_float(env, "SDCGUARD_CLOCK_SKEW_SECONDS", 30.0),
+            require_admission_decisions=_bool(env, "SDCGUARD_REQUIRE_ADMISSION_DECISIONS", True),
+            master_key_file=env.get("SDCGUARD_MASTER_KEY_FILE") or None,
             operator_username=env.get("SDCGUARD_OPERATOR_USERNAME") or None,
             pod_name=env.get(names.ENV_POD_NAME) or None,
             pod_namespace=env.get(names.ENV_POD_NAMESPACE) or None,
         )
-        if settings.max_concurrent_suspect_nodes < 0:
-            raise ValueError("SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES must be >= 0")
+        for name, value in (("SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES", settings.max_concurrent_suspect_nodes),
+                            ("SDCGUARD_MAX_SUSPECT_NODES_PER_JOB", settings.max_suspect_nodes_per_job),
+                            ("SDCGUARD_MAX_SUSPECT_NODES_PER_NAMESPACE", settings.max_suspect_nodes_per_namespace)):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if settings.max_alarm_age_seconds <= 0 or settings.clock_skew_seconds < 0:
+            raise ValueError("SDCGUARD_MAX_ALARM_AGE_SECONDS must be > 0 and SDCGUARD_CLOCK_SKEW_SECONDS >= 0")
         if settings.poll_seconds <= 0 or settings.retry_seconds <= 0:
             raise ValueError("SDCGUARD_POLL_SECONDS and SDCGUARD_RETRY_SECONDS must be > 0")
         if not 0 < settings.renew_seconds < settings.lease_seconds:
@@ -127,7 +164,7 @@ def _csv(text: str) -> tuple[str, ...]:
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
     try:
-        return int(env.get(name, default))
+        return int(env.get(name) or default)
     except ValueError:
         raise ValueError(f"{name} must be an integer, got {env.get(name)!r}") from None
 

@@ -89,6 +89,7 @@ class Plan:
 
     job_name: str
     job_kind: str = names.JOB_KIND
+    job_uid: str = ""
     settings_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -152,17 +153,81 @@ def inject(pod: dict[str, Any], *, how: Plan, sidecar: SidecarSettings) -> None:
 
 
 def mutated(pod: Mapping[str, Any], job_annotations: Mapping[str, str] | None,
-            sidecar: SidecarSettings) -> tuple[dict[str, Any] | None, list[str]]:
-    """The pure whole: the mutated copy of ``pod`` (None: leave it alone) and the warnings."""
-    job_name = ((pod.get("metadata") or {}).get("labels") or {}).get(names.JOB_NAME_LABEL)
-    if not job_name or not _owned_by_pytorchjob(pod):
-        return None, []
-    how, warnings = plan(job_name, effective_annotations(pod, job_annotations))
-    if how is None:
-        return None, warnings
+            sidecar: SidecarSettings, job_uid: str | None = None) -> tuple[dict[str, Any] | None, list[str]]:
+    """The pure whole: the mutated copy of ``pod`` (None: leave it alone) and the warnings.
+
+    Every pod first loses each reference to an alarm-key Secret outside the sidecar
+    (:func:`strip_key_references`). The sidecar goes only into a pod whose controlling
+    ownerReference is the live PyTorchJob named by its job-name label (``job_uid``, read by the
+    webhook; None when the job could not be read): no owner, another owner, or another uid, and the
+    pod gets no sidecar and so no key (SPEC §9)."""
     result = copy.deepcopy(dict(pod))
+    warnings = strip_key_references(result)
+    changed = result != pod
+    job_name = ((pod.get("metadata") or {}).get("labels") or {}).get(names.JOB_NAME_LABEL)
+    if not job_name:
+        return (result if changed else None), warnings
+    how, notes = plan(job_name, effective_annotations(pod, job_annotations))
+    warnings += notes
+    if how is not None and not owned_by(pod, job_name, job_uid):
+        warnings.append(f"sdcguard: pod is not controlled by {names.JOB_KIND} {job_name}"
+                        + (f" (uid {job_uid})" if job_uid else " (the job could not be read)")
+                        + "; no sidecar: only the job's own pods may sign its alarms")
+        how = None
+    if how is None:
+        return (result if changed else None), warnings
+    how.job_uid = str(job_uid)
     inject(result, how=how, sidecar=sidecar)
     return result, warnings
+
+
+def _key_secret(name: Any) -> bool:
+    return isinstance(name, str) and name.startswith(names.ALARM_KEY_SECRET_PREFIX)
+
+
+def strip_key_references(pod: dict[str, Any]) -> list[str]:
+    """Remove, in place, every way a container other than the sidecar could read an alarm-key Secret
+    (``sdcguard-alarm-key-*``, any job's): secret volumes and projected-volume sources of any volume
+    name (with their mounts), ``env[].valueFrom.secretKeyRef`` and ``envFrom[].secretRef``. The
+    sidecar's own key volume (:data:`names.ALARM_KEY_VOLUME`) is put back by :func:`inject`, mounted
+    in the sidecar only. Returns a warning per removal."""
+    spec = pod.get("spec") or {}
+    warnings: list[str] = []
+    removed: set[str] = set()
+    kept = []
+    for volume in spec.get("volumes") or []:
+        name = volume.get("name")
+        if _key_secret((volume.get("secret") or {}).get("secretName")):
+            if name != names.ALARM_KEY_VOLUME:
+                warnings.append(f"sdcguard: volume {name!r} mounted an alarm-key Secret; removed")
+            removed.add(name)
+            continue
+        projected = volume.get("projected")
+        if projected and any(_key_secret((src.get("secret") or {}).get("name")) for src in projected.get("sources") or []):
+            sources = [src for src in projected.get("sources") or [] if not _key_secret((src.get("secret") or {}).get("name"))]
+            warnings.append(f"sdcguard: projected volume {name!r} held an alarm-key Secret; that source removed")
+            if not sources:
+                removed.add(name)
+                continue
+            volume = {**volume, "projected": {**projected, "sources": sources}}
+        kept.append(volume)
+    if "volumes" in spec:
+        spec["volumes"] = kept
+    for container in (spec.get("containers") or []) + (spec.get("initContainers") or []) + \
+            (spec.get("ephemeralContainers") or []):
+        where = container.get("name")
+        if container.get("volumeMounts") and any(m.get("name") in removed for m in container["volumeMounts"]):
+            container["volumeMounts"] = [m for m in container["volumeMounts"] if m.get("name") not in removed]
+        env = container.get("env") or []
+        if any(_key_secret(((e.get("valueFrom") or {}).get("secretKeyRef") or {}).get("name")) for e in env):
+            container["env"] = [e for e in env if not _key_secret(((e.get("valueFrom") or {}).get("secretKeyRef")
+                                                                    or {}).get("name"))]
+            warnings.append(f"sdcguard: container {where!r} read an alarm-key Secret into env; removed")
+        env_from = container.get("envFrom") or []
+        if any(_key_secret((e.get("secretRef") or {}).get("name")) for e in env_from):
+            container["envFrom"] = [e for e in env_from if not _key_secret((e.get("secretRef") or {}).get("name"))]
+            warnings.append(f"sdcguard: container {where!r} loaded an alarm-key Secret with envFrom; removed")
+    return [w for w in warnings if w]
 
 
 def effective_annotations(pod: Mapping[str, Any], job_annotations: Mapping[str, str] | None) -> dict[str, str]:
@@ -172,11 +237,14 @@ def effective_annotations(pod: Mapping[str, Any], job_annotations: Mapping[str, 
     return {k: v for k, v in merged.items() if k.startswith(_ANNOTATION_PREFIX)}
 
 
-def _owned_by_pytorchjob(pod: Mapping[str, Any]) -> bool:
-    """Other Kubeflow job kinds share the job-name label; the controller owner tells them apart."""
+def owned_by(pod: Mapping[str, Any], job_name: str, job_uid: str | None) -> bool:
+    """The pod's controlling ownerReference is the PyTorchJob ``job_name`` with uid ``job_uid``
+    (other Kubeflow job kinds share the job-name label; a pod without a controller is no job's)."""
     owners = (pod.get("metadata") or {}).get("ownerReferences") or []
     controller = [o for o in owners if o.get("controller")]
-    return not controller or controller[0].get("kind") == names.JOB_KIND
+    return bool(job_uid) and len(controller) == 1 and controller[0].get("kind") == names.JOB_KIND and \
+        controller[0].get("apiVersion") == names.JOB_API_VERSION and controller[0].get("name") == job_name and \
+        controller[0].get("uid") == job_uid
 
 
 def _key_volume(how: Plan) -> dict[str, Any]:
@@ -185,14 +253,16 @@ def _key_volume(how: Plan) -> dict[str, Any]:
 
 
 def _downward_api() -> list[dict[str, Any]]:
-    return [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in names.DOWNWARD_API.items()]
+    fields = {**names.DOWNWARD_API, names.ENV_POD_UID: names.POD_UID_FIELD}
+    return [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in fields.items()]
 
 
 def _env(how: Plan) -> list[dict[str, Any]]:
     env = _downward_api()
     env += [{"name": names.ENV_SPOOL, "value": names.SPOOL_PATH},
             {"name": names.ENV_JOB_NAME, "value": how.job_name},
-            {"name": names.ENV_JOB_KIND, "value": how.job_kind}]
+            {"name": names.ENV_JOB_KIND, "value": how.job_kind},
+            {"name": names.ENV_JOB_UID, "value": how.job_uid}]
     env += [{"name": k, "value": v} for k, v in sorted(how.settings_env.items())]
     return env
 
@@ -249,26 +319,37 @@ class JobAnnotations:
         self._fetch = fetch
         self._ttl = ttl
         self._clock = clock
-        self._cache: dict[tuple[str, str], tuple[float, dict[str, str]]] = {}
+        self._cache: dict[tuple[str, str], tuple[float, dict[str, str], str | None]] = {}
 
     async def get(self, namespace: str, name: str) -> tuple[dict[str, str] | None, str | None]:
         """(annotations, None), or (None, why not) when the job cannot be read."""
+        annotations, _, problem = await self.lookup(namespace, name)
+        return annotations, problem
+
+    async def lookup(self, namespace: str, name: str) -> tuple[dict[str, str] | None, str | None, str | None]:
+        """(annotations, uid, None), or (None, None, why not) when the job cannot be read. A uid is
+        the job instance: a job recreated under the same name within the cache's lifetime has
+        another, so the cache entry is only used for pods that name the cached uid."""
         key = (namespace, name)
         hit = self._cache.get(key)
         if hit and self._clock() - hit[0] < self._ttl:
-            return hit[1], None
+            return hit[1], hit[2], None
         try:
             job = await self._fetch(namespace, name)
         except Exception as exc:  # noqa: BLE001 — any failure means: admit the pod as it is
-            return None, f"could not read {names.JOB_KIND} {namespace}/{name} ({type(exc).__name__}: {exc})"
+            return None, None, f"could not read {names.JOB_KIND} {namespace}/{name} ({type(exc).__name__}: {exc})"
         if job is None:
-            return None, f"{names.JOB_KIND} {namespace}/{name} not found"
+            return None, None, f"{names.JOB_KIND} {namespace}/{name} not found"
         annotations = dict((job.get("metadata") or {}).get("annotations") or {})
+        uid = (job.get("metadata") or {}).get("uid")
         now = self._clock()
         if len(self._cache) > 1024:  # forget finished jobs
             self._cache = {k: v for k, v in self._cache.items() if now - v[0] < self._ttl}
-        self._cache[key] = (now, annotations)
-        return annotations, None
+        self._cache[key] = (now, annotations, uid)
+        return annotations, uid, None
+
+    def forget(self, namespace: str, name: str) -> None:
+        self._cache.pop((namespace, name), None)
 
 
 def kubernetes_fetch(timeout: float = 2.0) -> Fetch:
@@ -347,12 +428,20 @@ async def mutate_pod(body: kopf.Body, patch: kopf.Patch, warnings: list[str], lo
     """Admission of a pod of a Kubeflow job: look the job up, then let :func:`mutated` decide."""
     pod = dict(body)
     name = body.metadata.labels.get(names.JOB_NAME_LABEL, "")
-    annotations, problem = (None, "sdcguard webhook is not configured") if _runtime.jobs is None else \
-        await _runtime.jobs.get(body.metadata.namespace or "default", name)
+    annotations, uid, problem = None, None, None
+    if name:
+        namespace = body.metadata.namespace or "default"
+        if _runtime.jobs is None:
+            problem = "sdcguard webhook is not configured"
+        else:
+            annotations, uid, problem = await _runtime.jobs.lookup(namespace, name)
+            if uid and not owned_by(pod, name, uid):  # perhaps recreated since it was cached
+                _runtime.jobs.forget(namespace, name)
+                annotations, uid, problem = await _runtime.jobs.lookup(namespace, name)
     if problem:
-        logger.warning(f"sdcguard: {problem}; using the pod's own annotations only")
-        warnings.append(f"sdcguard: {problem}; using the pod's own annotations only")
-    result, notes = mutated(pod, annotations, _runtime.sidecar)
+        logger.warning(f"sdcguard: {problem}; no sidecar")
+        warnings.append(f"sdcguard: {problem}; no sidecar")
+    result, notes = mutated(pod, annotations, _runtime.sidecar, uid)
     warnings.extend(notes)
     if result is not None:
         patch.fns.append(functools.partial(_become, result))  # kopf diffs it into a JSONPatch
@@ -368,8 +457,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
     """Register the handlers; on import with kopf's default registry, in tests with a fresh one."""
     kopf.on.startup(registry=registry, id="sdcguard-webhook-configure")(configure)
     kopf.on.mutate("", "v1", "pods", registry=registry, id=HANDLER_ID, operations=["CREATE"],
-                   ignore_failures=True, side_effects=False,
-                   labels={names.JOB_NAME_LABEL: kopf.PRESENT})(mutate_pod)
+                   ignore_failures=True, side_effects=False)(mutate_pod)
 
 
 register(kopf.get_default_registry())

@@ -41,14 +41,35 @@ class OperatorWorld(Sandbox):
             "data": {"key": base64.b64encode(key).decode()}})
         return key
 
+    def with_uids(self, record: dict[str, Any]) -> dict[str, Any]:
+        """The record as the library writes it in a pod of the job: ``job.uid`` from
+        ``SDCGUARD_JOB_UID`` and each identity's ``pod_uid`` from ``POD_UID`` (the webhook injects
+        both), i.e. the live job's and pods' uids; fields already set are kept."""
+        job = record.get("job")
+        if isinstance(job, dict) and job.get("name") and "uid" not in job:
+            try:
+                job["uid"] = self.job_uid(job.get("namespace"), job["name"])
+            except Exception:  # noqa: BLE001 - no such job: the record names none
+                pass
+        for identity in list(record.get("suspects") or []) + [record.get("reporter")]:
+            if isinstance(identity, dict) and identity.get("pod") and "pod_uid" not in identity and job:
+                try:
+                    identity["pod_uid"] = self.core.read_namespaced_pod(identity["pod"], job["namespace"]).metadata.uid
+                except Exception:  # noqa: BLE001 - no such pod
+                    pass
+        return record
+
     def alarm_event(self, namespace: str, record: dict[str, Any] | None = None, *, raw: str | None = None,
                     involved_pod: str = "unknown", sign: bool = True, key: bytes | None = None,
-                    signature: str | None = None) -> str:
+                    signature: str | None = None, uids: bool = True) -> str:
         """Post an alarm Event the way the sidecar does (SPEC §4), signed with the named job's key
         (``key`` instead, ``signature`` as given, or unsigned with ``sign=False``); returns the
-        Event's name. Text that names no job gets a well-formed signature no key makes."""
+        Event's name. Text that names no job gets a well-formed signature no key makes. The record
+        gets the live uids first (:meth:`with_uids`) unless ``uids=False``."""
         from sdcguard.contract import alarm, events
 
+        if record is not None and uids:
+            record = self.with_uids(record)
         text = raw if raw is not None else alarm.dumps(record) if record is not None else None
         annotations = {} if text is None else {"sdcguard.dev/alarm": text}
         if text is not None and sign:
@@ -74,7 +95,7 @@ class OperatorWorld(Sandbox):
 def make_alarm(namespace: str, job: str, *, check: str = "replay", step: int = 40,
                suspects: list[tuple[int, str, str]] = (), reporter: tuple[int, str, str] | None = None,
                checkpoint: str | None = "checkpoint-19.pt", alarm_id: str | None = None,
-               window: tuple[int, int] | None = None, **recovery: Any) -> dict[str, Any]:
+               window: tuple[int, int] | None = None, job_uid: str | None = None, **recovery: Any) -> dict[str, Any]:
     """A v1 alarm record via the shared schema module; suspects/reporter are (rank, pod, node).
 
     ``window`` is the suspect window (default: the alarm step alone); ``recovery`` adds the optional
@@ -85,7 +106,8 @@ def make_alarm(namespace: str, job: str, *, check: str = "replay", step: int = 4
     reporter = reporter or (99, f"{job}-reporter", "hyperpod-i-00000000000000000")
     identities[reporter[0]] = {"rank": reporter[0], "pod": reporter[1], "node": reporter[2]}
     return alarm.make_alarm(
-        alarm_id=alarm_id or secrets.token_hex(6), job={"kind": "PyTorchJob", "name": job, "namespace": namespace},
+        alarm_id=alarm_id or secrets.token_hex(6), job={"kind": "PyTorchJob", "name": job, "namespace": namespace,
+                                                         **({"uid": job_uid} if job_uid else {})},
         check=check, step=step, suspect_ranks=[r for r, _, _ in suspects], identities=identities,
         ambiguous=False, reporter_rank=reporter[0], evidence={"pairs": [[0, 2]]}, last_verified_step=step - 1,
         last_good_checkpoint=checkpoint,

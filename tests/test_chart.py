@@ -353,10 +353,14 @@ def test_example_pytorchjob_is_enabled_and_its_mutated_pods_are_valid() -> None:
     how, warnings = webhook.plan(job["metadata"]["name"], annotations)
     assert how is not None and warnings == []
     for replica, spec in job["spec"]["pytorchReplicaSpecs"].items():
+        uid = "0b1d0000-0000-4000-8000-000000000001"  # the job's, as the API server gave it
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {
             "name": f"{job['metadata']['name']}-{replica.lower()}-0", "namespace": job["metadata"]["namespace"],
-            "labels": {names.JOB_NAME_LABEL: job["metadata"]["name"]}}, "spec": spec["template"]["spec"]}
-        mutated, notes = webhook.mutated(pod, annotations, webhook.SidecarSettings())
+            "labels": {names.JOB_NAME_LABEL: job["metadata"]["name"]},
+            "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": job["metadata"]["name"],
+                                 "uid": uid, "controller": True, "blockOwnerDeletion": True}]},
+            "spec": spec["template"]["spec"]}
+        mutated, notes = webhook.mutated(pod, annotations, webhook.SidecarSettings(), uid)
         assert mutated is not None and notes == []
         kubernetes_validate.validate(mutated, K8S_VERSION, strict=True)
 

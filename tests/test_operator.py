@@ -62,7 +62,8 @@ def test_happy_path_event_to_replaced(world):
     assert world.aws.calls("BatchReplaceClusterNodes") == []  # nothing without approval
 
     incident = world.incident(ns, name)
-    assert incident["spec"]["suspects"] == [{"rank": 1, "pod": pods[1], "node": nodes[1]}]
+    assert incident["spec"]["suspects"] == [{"rank": 1, "pod": pods[1], "node": nodes[1],
+                                             "pod_uid": world.core.read_namespaced_pod(pods[1], ns).metadata.uid}]
     assert incident["spec"]["lastGoodCheckpoint"] == "checkpoint-19.pt"
     assert incident["status"]["resumeFrom"] == "checkpoint-19.pt"
     assert (incident["status"]["resumeFromStep"], incident["status"]["stepsAtRisk"]) == (19, 21)
@@ -199,13 +200,19 @@ def _tampered(world, ns, pods, nodes):
     return {"raw": signed.replace(nodes[1], nodes[0]).replace(pods[1], pods[0]), "signature": signature}
 
 
+def _with_pod_uid(record):
+    """A pod uid the library would have signed (the pod is gone since)."""
+    record["suspects"][0]["pod_uid"] = "0000dead-0000-4000-8000-000000000000"
+    return record
+
+
 REJECTIONS = {  # case -> kwargs of world.alarm_event; the reason is the case up to its first "-"
     "MalformedAlarm": lambda world, ns, pods, nodes: {"raw": "{not json"},
     "UnsupportedSchema": lambda world, ns, pods, nodes: {"raw": json.dumps(
         {**make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[1])]), "schema": "sdcguard.dev/alarm/v9"})},
     "NodeMismatch": lambda world, ns, pods, nodes: {"record": make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[0])])},
-    "PodNotFound": lambda world, ns, pods, nodes: {"record": make_alarm(ns, "llm",
-                                                                        suspects=[(1, "llm-worker-9", nodes[1])])},
+    "PodNotFound": lambda world, ns, pods, nodes: {"record": _with_pod_uid(make_alarm(
+        ns, "llm", suspects=[(1, "llm-worker-9", nodes[1])]))},
     # the job was enabled once (its key Secret is still there), not any more
     "JobNotEnabled": lambda world, ns, pods, nodes: {"record": make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[1])]),
                                                      "key": world.plant_key(ns, "llm")},
@@ -294,25 +301,29 @@ def test_early_approval_waits_for_the_health_check(world):
     assert len(world.aws.calls("BatchReplaceClusterNodes", ids[1])) == 1
 
 
-def test_incident_opened_by_an_older_operator_gets_its_recovery_plan_and_keeps_its_timeline(world):
-    ns = "older"
-    record = make_alarm(ns, "llm", step=12, window=(9, 12), checkpoint="ckpt-8.pt", last_good_checkpoint_step=8)
-    timeline = [{"time": "2026-01-01T00:00:00Z", "event": "Opened", "message": "opened before the upgrade"},
-                {"time": "2026-01-01T00:00:01Z", "event": "Contained", "message": "contained; no node to replace"}]
-    world.custom.create_namespaced_custom_object("sdcguard.dev", "v1", ns, "sdcincidents", {
-        "apiVersion": "sdcguard.dev/v1", "kind": "SDCIncident", "metadata": {"name": "llm-replay-12", "namespace": ns},
-        "spec": {"job": record["job"], "check": "replay", "step": 12, "ambiguous": False, "suspects": [],
-                 "reporter": record["reporter"], "suspectWindow": {"firstStep": 9, "lastStep": 12},
-                 "lastVerifiedStep": 11, "lastGoodCheckpoint": "ckpt-8.pt", "alarmId": record["id"],
-                 "event": "sdcguard-older", "alarm": record},
-        "status": {"phase": "Contained", "resumeFrom": "ckpt-8.pt", "alarmCount": 1, "timeline": timeline,
-                   "conditions": [{"type": "JobSuspended", "status": "True", "reason": "Suspended", "message": "",
-                                   "lastTransitionTime": "2026-01-01T00:00:01Z"}]}})
-    status = world.wait(lambda: (s := world.incident(ns, "llm-replay-12")["status"]).get("suspectWindow") and s,
-                        what="recovery plan recorded")
-    assert status["suspectWindow"] == {"firstStep": 9, "lastStep": 12, "range": "9-12"}
-    assert (status["resumeFrom"], status["resumeFromStep"], status["stepsAtRisk"]) == ("ckpt-8.pt", 8, 4)
-    assert status["timeline"] == timeline and status["phase"] == "Contained"
+def test_an_incident_the_operator_did_not_create_is_never_acted_on(world):
+    """Attack (issue 20, 6): anyone who may create SDCIncidents wrote one by hand, naming a node of
+    another tenant (and a job in another namespace); the operator reconciled it like its own:
+    suspended the job, cordoned the node, opened a NodeReplacement. Now an incident needs the
+    operator's seal over a signed alarm, and spec.job.namespace must be its own namespace."""
+    victim_ns, ns = "older-victim", "older"
+    ids, nodes, pods = _setup(world, victim_ns, n_nodes=1)
+    record = make_alarm(victim_ns, "llm", step=12, suspects=[(0, pods[0], nodes[0])], checkpoint="ckpt-8.pt")
+    for where, name in ((ns, "llm-replay-12"), (victim_ns, "llm-replay-12")):
+        world.custom.create_namespaced_custom_object("sdcguard.dev", "v1", where, "sdcincidents", {
+            "apiVersion": "sdcguard.dev/v1", "kind": "SDCIncident", "metadata": {"name": name, "namespace": where},
+            "spec": {"job": record["job"], "check": "replay", "step": 12, "ambiguous": False,
+                     "suspects": record["suspects"], "reporter": record["reporter"],
+                     "suspectWindow": {"firstStep": 9, "lastStep": 12}, "lastVerifiedStep": 11,
+                     "lastGoodCheckpoint": "ckpt-8.pt", "alarmId": record["id"], "event": "forged",
+                     "alarm": record}})
+    for where, reason in ((ns, "NamespaceMismatch"), (victim_ns, "NotCreatedByOperator")):
+        conditions = world.wait(lambda: [c for c in (world.incident(where, "llm-replay-12").get("status") or {})
+                                         .get("conditions", []) if c["type"] == "Verified"], what="refusal")
+        assert (conditions[0]["status"], conditions[0]["reason"]) == ("False", reason)
+    assert world.node_state(nodes[0]) == (False, None) and not world.job_suspended(victim_ns, "llm")
+    assert [r for r in world.replacements() if r["spec"]["nodeName"] == nodes[0]] == []
+    assert "phase" not in world.incident(victim_ns, "llm-replay-12")["status"]
 
 
 def test_deciding_needs_the_approve_verb_and_the_target_is_fixed_at_admission(world):
@@ -374,39 +385,41 @@ def test_a_target_changed_behind_the_webhook_fails_the_replacement_and_replaces_
     assert world.node_state(nodes[1]) == (True, "true") and world.node_state(nodes[0]) == (False, None)
 
 
-def test_replacements_without_a_recorded_target_take_it_from_their_incident_or_are_left_alone(world):
-    """One opened by an operator that did not record targets yet continues on its incident's record;
-    one nobody recorded (not made by the operator) is never acted on."""
+def test_a_pre_created_or_status_approved_nodereplacement_is_never_acted_on(world):
+    """Attack (issue 20, 5): a NodeReplacement pre-created under the name the operator would use,
+    decision already set, was adopted; and a merge patch of nodereplacements/status setting
+    decision Approved (no spec.decision, nobody recorded by admission: /status passes no admission)
+    was followed by BatchReplaceClusterNodes. Now the operator seals what it creates and passes over
+    anything else (next name), and acts only on spec.decision recorded by admission that the status
+    agrees with."""
     ns = "upgrade"
-    ids = [new_instance() for _ in range(2)]
-    nodes = [world.node(i) for i in ids]
-    world.job(ns, "llm")
-    record = make_alarm(ns, "llm", step=9, suspects=[(0, f"llm-worker-0", nodes[0])])
-    world.custom.create_namespaced_custom_object("sdcguard.dev", "v1", ns, "sdcincidents", {
-        "apiVersion": "sdcguard.dev/v1", "kind": "SDCIncident", "metadata": {"name": "llm-replay-9", "namespace": ns},
-        "spec": {"job": record["job"], "check": "replay", "step": 9, "ambiguous": False, "suspects": record["suspects"],
-                 "reporter": record["reporter"], "suspectWindow": {"firstStep": 9, "lastStep": 9},
-                 "lastVerifiedStep": 8, "lastGoodCheckpoint": None, "alarmId": record["id"], "event": "e",
-                 "alarm": record},
-        "status": {"phase": "AwaitingApproval", "suspectWindow": {"firstStep": 9, "lastStep": 9, "range": "9-9"},
-                   "nodes": {nodes[0]: {"cordoned": True, "instanceId": ids[0], "cluster": CLUSTER,
-                                        "instanceGroup": GROUP, "replacement": nodes[0]}},
-                   "replacements": {nodes[0]: "PendingApproval"},
-                   "conditions": [{"type": "JobSuspended", "status": "True", "reason": "Suspended", "message": "",
-                                   "lastTransitionTime": "2026-01-01T00:00:01Z"}]}})
-    for node, instance, incidents in ((nodes[0], ids[0], [f"{ns}/llm-replay-9"]), (nodes[1], ids[1], [])):
+    ids, nodes, pods = _setup(world, ns, n_nodes=3)
+    world.admission(False)  # the webhook also refuses such a create; this holds without it
+    try:
         world.custom.create_cluster_custom_object("sdcguard.dev", "v1", "nodereplacements", {
-            "apiVersion": "sdcguard.dev/v1", "kind": "NodeReplacement", "metadata": {"name": node},
-            "spec": {"nodeName": node, "instanceId": instance, "clusterName": CLUSTER, "instanceGroup": GROUP,
-                     "incidents": incidents},
+            "apiVersion": "sdcguard.dev/v1", "kind": "NodeReplacement", "metadata": {"name": nodes[0]},
+            "spec": {"nodeName": nodes[0], "instanceId": ids[0], "clusterName": CLUSTER, "instanceGroup": GROUP,
+                     "incidents": [f"{ns}/llm-replay-9"], "decision": "Approved", "decidedBy": "tester"},
             "status": {"phase": "PendingApproval", "healthCheck": {"result": "Skipped"}}})
-    world.wait(lambda: world.replacement(nodes[0])["status"].get("target"), what="target from the incident")
-    assert world.replacement(nodes[0])["status"]["target"] == {"nodeName": nodes[0], "instanceId": ids[0],
-                                                               "clusterName": CLUSTER, "instanceGroup": GROUP}
-    for node in nodes:
-        assert world.kubectl("sdcguard", "approve", node).returncode == 0
-    world.wait(lambda: _phase(world, nodes[0]) == "Replaced", what="Replaced")
-    assert [c["ids"] for c in world.aws.calls("BatchReplaceClusterNodes", ids[0])] == [[ids[0]]]
-    stray = world.replacement(nodes[1])
-    assert "target" not in stray["status"] and stray["status"]["phase"] == "PendingApproval"
+    finally:
+        world.admission(True)
+    world.alarm_event(ns, make_alarm(ns, "llm", step=9, suspects=[(0, pods[0], nodes[0]), (1, pods[1], nodes[1])],
+                                     reporter=(2, pods[2], nodes[2])))
+    incident = world.wait(lambda: (i := world.incident(ns, "llm-replay-9")).get("status", {}).get("replacements")
+                          and len(i["status"]["replacements"]) == 2 and i, what="two replacements")
+    assert incident["status"]["nodes"][nodes[0]]["replacement"] == f"{nodes[0]}-2"  # the planted one passed over
+    planted = world.wait(lambda: [c for c in (world.replacement(nodes[0]).get("status") or {}).get("conditions", [])
+                                  if c["type"] == "CreatedByOperator"], what="planted one marked")
+    assert planted[0]["status"] == "False" and planted[0]["reason"] == "NotCreatedByOperator"
+    world.wait(lambda: _phase(world, nodes[1]) == "PendingApproval", what="PendingApproval")
+    forged = world.kubectl("patch", "nodereplacement", nodes[1], "--subresource=status", "--type=merge", "-p",
+                           json.dumps({"status": {"decision": {"decision": "Approved", "by": "tester"}}}))
+    assert forged.returncode == 0, forged.stderr
+    world.wait(lambda: any(c["type"] == "DecisionRefused" and c["reason"] == "DecisionMismatch"
+                           for c in world.replacement(nodes[1])["status"].get("conditions", [])), what="refused")
+    import time
+    time.sleep(1.5)  # several reconciles (poll 0.3 s)
+    assert world.aws.calls("BatchReplaceClusterNodes", ids[0]) == []
     assert world.aws.calls("BatchReplaceClusterNodes", ids[1]) == []
+    assert _phase(world, nodes[1]) == "PendingApproval" and world.replacement(nodes[0])["status"]["phase"] == \
+        "PendingApproval"

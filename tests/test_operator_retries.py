@@ -92,4 +92,4 @@ def test_a_deleted_key_secret_is_recreated_without_the_job_changing(make_world):
     first = world.alarm_key("keys", "llm")
     world.core.delete_namespaced_secret("sdcguard-alarm-key-llm", "keys")
     second = world.wait(lambda: world.alarm_key("keys", "llm", timeout=1), timeout=30, what="the key recreated")
-    assert second != first and len(second) >= 32  # a new key: sidecars reread the mounted file
+    assert second == first and len(second) >= 32  # the job's key, derived again (master key, job uid)

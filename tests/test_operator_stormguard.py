@@ -15,7 +15,7 @@ def _condition(incident: dict, type_: str) -> dict | None:
 
 
 def test_third_suspect_node_is_held_until_a_slot_frees(make_world):
-    world = make_world(via_kopf=True)  # `kopf run -m sdcguard_operator`; the default limit, 2
+    world = make_world(via_kopf=True, admission=True)  # `kopf run -m sdcguard_operator`; the default limit, 2
     ns = "storm"
     ids = [new_instance() for _ in range(4)]
     nodes = [world.node(i) for i in ids]

@@ -32,10 +32,10 @@ def _secret(world, job: str):
 
 @pytest.fixture(scope="module")
 def world(make_world):
-    world = make_world(start=False, SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES="50")
+    world = make_world(start=False, SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES="50", SDCGUARD_KEY_RECHECK_SECONDS="0.5")
     world.jobs = {"early": _job(world, "early", True), "plain": _job(world, "plain", False),
                   "kept": _job(world, "kept", True)}
-    world.kept_key = secrets.token_bytes(40)  # written before the operator ran; must survive it
+    world.kept_key = secrets.token_bytes(40)  # written before the operator ran, not derived by it
     world.core.create_namespaced_secret(NS, {
         "metadata": {"name": "sdcguard-alarm-key-kept", "namespace": NS, "ownerReferences": [
             {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": "kept", "uid": world.jobs["kept"]["metadata"]["uid"]}]},
@@ -56,7 +56,9 @@ def test_enabled_jobs_get_a_key_secret_also_those_older_than_the_operator(world)
         assert (owner.api_version, owner.kind, owner.name, owner.uid) == (
             "kubeflow.org/v1", "PyTorchJob", name, job["metadata"]["uid"])
     assert world.alarm_key(NS, "early") != world.alarm_key(NS, "late")
-    assert world.alarm_key(NS, "kept") == world.kept_key  # 409: the existing key stays
+    # 409: the operator writes the key derived for the job over it (it never reads a tenant Secret)
+    world.wait(lambda: world.alarm_key(NS, "kept") != world.kept_key, what="the kept key replaced")
+    assert len(world.alarm_key(NS, "kept")) == 32
     with pytest.raises(Exception) as missing:
         _secret(world, "plain")
     assert getattr(missing.value, "status", None) == 404  # never for a job that is not enabled
@@ -78,30 +80,66 @@ def test_spool_record_signed_by_the_sidecar_opens_an_incident_and_survives_a_key
     sidecar = Sidecar(spool_dir, world.kube.kubeconfig, volume.path)
     try:
         first = make_alarm(ns, "llm", step=40, suspects=[(1, pods[1], nodes[1])], reporter=(0, pods[0], nodes[0]))
-        spool.write_alarm(spool_dir, first)  # the library's own spool writer
+        spool.write_alarm(spool_dir, world.with_uids(first))  # the library's own spool writer
         event = events.event_name(first["id"])
         world.wait(lambda: world.event_annotation(ns, event) == "incident:llm-replay-40", what="incident from the sidecar")
         posted = world.core.read_namespaced_event(event, ns).metadata.annotations
         assert posted[names.ALARM_SIGNATURE_ANNOTATION] == events.alarm_signature(old, alarm.dumps(first))
         world.wait(lambda: world.node_state(nodes[1]) == (True, "true"), what="suspect cordoned")
 
-        # rotation: the Secret is replaced; the operator verifies with the current key at once, the
-        # sidecar once the kubelet has updated its volume
-        new = secrets.token_bytes(32)
+        # someone writes another key into the Secret: the operator does not take it (its keys are
+        # derived from its master key and the job's uid) and writes the job's key back
+        rogue = secrets.token_bytes(32)
         world.core.patch_namespaced_secret("sdcguard-alarm-key-llm", ns,
-                                           {"data": {"key": base64.b64encode(new).decode()}})
-        volume.write(new)
+                                           {"data": {"key": base64.b64encode(rogue).decode()}})
+        forged = world.alarm_event(ns, make_alarm(ns, "llm", step=60, suspects=[(2, pods[2], nodes[2])]), key=rogue)
+        world.wait(lambda: world.event_annotation(ns, forged), what="rogue-key intake")
+        assert world.event_annotation(ns, forged) == "rejected:BadSignature"
+        world.wait(lambda: world.alarm_key(ns, "llm") == old, what="the job's key written back")
         second = make_alarm(ns, "llm", check="weights", step=50, suspects=[(2, pods[2], nodes[2])],
                             reporter=(0, pods[0], nodes[0]))
-        spool.write_alarm(spool_dir, second)
+        spool.write_alarm(spool_dir, world.with_uids(second))
         world.wait(lambda: world.event_annotation(ns, events.event_name(second["id"])) == "incident:llm-weights-50",
-                   what="incident after the rotation")
-        stale = world.alarm_event(ns, make_alarm(ns, "llm", step=60, suspects=[(2, pods[2], nodes[2])]), key=old)
-        world.wait(lambda: world.event_annotation(ns, stale), what="stale-key intake")
-        assert world.event_annotation(ns, stale) == "rejected:BadSignature"
+                   what="second incident")
         assert {i["metadata"]["name"] for i in world.incidents(ns)} == {"llm-replay-40", "llm-weights-50"}
     finally:
         assert sidecar.stop() == 0
+
+
+def test_a_recreated_job_gets_a_new_key_and_old_signatures_stop_counting(world):
+    """Attack (issue 20, 4): verification did not check that the key Secret belonged to the current
+    job: a job deleted and recreated under the same name kept the old key, so alarms signed for the
+    earlier job (captured, or from a pod of it still running) stayed valid. Now the key is derived
+    from the job's uid: the recreated job's Secret is rewritten (new key, new owner) and the old
+    key's signatures are refused."""
+    ns = "recreated"
+    nodes = [world.node(new_instance())]
+    world.training(ns, "llm", nodes)
+    old_uid, old_key = world.job_uid(ns, "llm"), world.alarm_key(ns, "llm")
+    captured = make_alarm(ns, "llm", step=5, suspects=[(0, "llm-worker-0", nodes[0])])
+    world.with_uids(captured)
+    world.custom.delete_namespaced_custom_object("kubeflow.org", "v1", ns, "pytorchjobs", "llm")
+    world.core.delete_namespaced_pod("llm-worker-0", ns)
+    world.wait(lambda: ns not in {j["metadata"]["namespace"] for j in world.custom.list_cluster_custom_object(
+        "kubeflow.org", "v1", "pytorchjobs")["items"] if j["metadata"]["name"] == "llm"},
+        what="the job gone (kopf removes its finalizer)")
+    world.job(ns, "llm")  # the emulator has no garbage collector: the old Secret is still there
+    world.pod(ns, "llm-worker-0", "llm", nodes[0])
+    new_uid = world.job_uid(ns, "llm")
+    world.wait(lambda: _owner_uid(world, ns) == new_uid, what="the Secret owned by the new job")
+    assert world.alarm_key(ns, "llm") != old_key and old_uid != new_uid
+    replayed = world.alarm_event(ns, captured, key=old_key)
+    world.wait(lambda: world.event_annotation(ns, replayed), what="old-key intake")
+    assert world.event_annotation(ns, replayed) == "rejected:BadSignature"
+    resigned = world.alarm_event(ns, make_alarm(ns, "llm", step=6, suspects=[(0, "llm-worker-0", nodes[0])],
+                                                job_uid=old_uid))
+    world.wait(lambda: world.event_annotation(ns, resigned), what="old-uid intake")
+    assert world.event_annotation(ns, resigned) == "rejected:JobUidMismatch"
+    assert world.incidents(ns) == [] and world.node_state(nodes[0]) == (False, None)
+
+
+def _owner_uid(world, ns):
+    return world.core.read_namespaced_secret("sdcguard-alarm-key-llm", ns).metadata.owner_references[0].uid
 
 
 def test_unsigned_alarms_pass_only_when_signatures_are_not_required(make_world):

@@ -144,23 +144,29 @@ def _wait_listening(port: int) -> None:
     raise AssertionError("the webhook server did not start listening")
 
 
+UIDS: dict[str, str] = {}
+"""job name -> the uid the emulator gave it (a pod's controlling ownerReference names it)."""
+
+
 def create_job(kube: Any, name: str, annotations: dict[str, str]) -> None:
     api = kubernetes.client.CustomObjectsApi(kube.api_client())
-    api.create_namespaced_custom_object("kubeflow.org", "v1", "ml", "pytorchjobs", {
+    UIDS[name] = api.create_namespaced_custom_object("kubeflow.org", "v1", "ml", "pytorchjobs", {
         "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
         "metadata": {"name": name, "namespace": "ml", "annotations": annotations},
         "spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": 2, "template": {"spec": {"containers": [
-            {"name": "pytorch", "image": "train:1"}]}}}}}})
+            {"name": "pytorch", "image": "train:1"}]}}}}}})["metadata"]["uid"]
 
 
-def job_pod(job: str, index: int = 0, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+def job_pod(job: str, index: int = 0, annotations: dict[str, str] | None = None,
+            uid: str | None = None) -> dict[str, Any]:
     """A pod as the training operator creates it: job labels, controller owner, two containers."""
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {
         "name": f"{job}-worker-{index}", "namespace": "ml", "annotations": annotations or {},
         "labels": {names.JOB_NAME_LABEL: job, "training.kubeflow.org/replica-type": "worker",
                    "training.kubeflow.org/replica-index": str(index)},
         "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": job,
-                             "uid": str(uuid.uuid4()), "controller": True, "blockOwnerDeletion": True}]},
+                             "uid": uid or UIDS.get(job) or str(uuid.uuid4()), "controller": True,
+                             "blockOwnerDeletion": True}]},
         "spec": {"restartPolicy": "Never", "containers": [
             {"name": "pytorch", "image": "train:1", "env": [{"name": "SDCGUARD_AUDIT_EVERY", "value": "7"}]},
             {"name": "log-shipper", "image": "shipper:1"}]}}
@@ -222,9 +228,11 @@ def test_pod_of_an_annotated_job_gets_sidecar_spool_identity_and_settings(server
         assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
         assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
         assert env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+        assert env["POD_UID"] == {"fieldRef": {"fieldPath": "metadata.uid"}}  # signed as suspects[].pod_uid
     for container in spec["containers"]:
         env = env_of(container)
         assert (env["SDCGUARD_JOB_NAME"], env["SDCGUARD_JOB_KIND"]) == ("llm", "PyTorchJob")
+        assert env["SDCGUARD_JOB_UID"] == UIDS["llm"]  # signed as job.uid
         assert (env["SDCGUARD_AUDIT_EVERY"], env["SDCGUARD_WEIGHT_CHECK_EVERY"]) == ("50", "5")
     assert [e["name"] for e in spec["containers"][0]["env"]].count("SDCGUARD_AUDIT_EVERY") == 1
     assert out["metadata"]["labels"][names.INJECTED_LABEL] == "true"
@@ -267,14 +275,71 @@ def test_bad_annotation_values_warn_and_fall_back_to_defaults(server: WebhookOpe
     assert "SDCGUARD_WEIGHT_CHECK_EVERY" not in env
 
 
-def test_missing_job_fails_open_but_pod_template_annotations_still_count(server: WebhookOperator) -> None:
+def test_missing_job_fails_open_and_without_a_verified_owner_there_is_no_sidecar(server: WebhookOperator) -> None:
+    """Before issue 20 a pod whose job could not be read still got the sidecar (and the job's key)
+    from its own template annotations; the owner cannot be verified then, so it gets none."""
     pod = job_pod("ghost")
     response = server.review(pod)
     assert apply(pod, response) == pod
     assert any("PyTorchJob ml/ghost not found" in w for w in response["warnings"])
     enabled = job_pod("ghost", 1, {"sdcguard.dev/enabled": "true", "sdcguard.dev/audit-every": "20"})
-    out = apply(enabled, server.review(enabled))
-    assert env_of(out["spec"]["containers"][0])["SDCGUARD_AUDIT_EVERY"] == "20"
+    response = server.review(enabled)
+    assert apply(enabled, response) == enabled
+    assert any("no sidecar" in w for w in response["warnings"])
+
+
+def test_a_decoy_pod_of_an_enabled_job_gets_no_sidecar(server: WebhookOperator) -> None:
+    """Attack (issue 20, 1): a pod anyone may create with the job-name label of an enabled job and
+    no controlling owner (or another one, or the job's name with another uid: an earlier job of
+    that name) got the sidecar, and so the job's key: its alarms were signed and accepted, and
+    cordoned whatever node the pod named. Now only the job's own pods (owner uid) get it."""
+    for decoy in (job_pod("llm", 11), job_pod("llm", 12, uid=str(uuid.uuid4())), job_pod("llm", 13)):
+        if decoy["metadata"]["name"].endswith("-11"):
+            del decoy["metadata"]["ownerReferences"]
+        if decoy["metadata"]["name"].endswith("-13"):
+            decoy["metadata"]["ownerReferences"][0]["controller"] = False
+        response = server.review(decoy)
+        assert apply(decoy, response) == decoy, decoy["metadata"]["name"]
+        assert any("is not controlled by PyTorchJob llm" in w for w in response["warnings"])
+    assert "patch" in server.review(job_pod("llm", 14))  # the job's own pod still gets it
+
+
+def test_no_container_but_the_sidecar_can_reach_a_key_secret_by_any_name() -> None:
+    """Attack (issue 20, 4): only a volume named sdcguard-alarm-key was kept from training
+    containers; the pod template's own secret or projected volume of sdcguard-alarm-key-<job>
+    (any volume name), an env secretKeyRef or an envFrom secretRef left the key readable by the
+    training container. Now each is removed, in every pod the webhook sees (enabled or not)."""
+    settings = webhook.SidecarSettings(image=IMAGE)
+    for enabled in (True, False):
+        pod = job_pod("llm" if enabled else "plain")
+        spec = pod["spec"]
+        spec["volumes"] = [{"name": "mine", "secret": {"secretName": "sdcguard-alarm-key-llm"}},
+                           {"name": "proj", "projected": {"sources": [
+                               {"secret": {"name": "sdcguard-alarm-key-other"}},
+                               {"configMap": {"name": "settings"}}]}},
+                           {"name": "only", "projected": {"sources": [{"secret": {"name": "sdcguard-alarm-key-llm"}}]}}]
+        train = spec["containers"][0]
+        train["volumeMounts"] = [{"name": n, "mountPath": f"/{n}"} for n in ("mine", "proj", "only")]
+        train["env"] += [{"name": "K", "valueFrom": {"secretKeyRef": {"name": "sdcguard-alarm-key-llm", "key": "key"}}}]
+        train["envFrom"] = [{"secretRef": {"name": "sdcguard-alarm-key-llm"}}, {"configMapRef": {"name": "x"}}]
+        spec["initContainers"] = [{"name": names.SIDECAR_CONTAINER, "image": "evil:1",
+                                   "volumeMounts": [{"name": "mine", "mountPath": "/k"}]}]
+        out, warnings = webhook.mutated(pod, {"sdcguard.dev/enabled": "true"} if enabled else {}, settings,
+                                        UIDS.get("llm") if enabled else None)
+        assert out is not None and len(warnings) >= 5, warnings
+        text = json.dumps([c for c in out["spec"]["containers"]]
+                          + [c for c in out["spec"].get("initContainers", []) if c.get("image") != IMAGE])
+        assert "sdcguard-alarm-key" not in text, text
+        for volume in out["spec"]["volumes"]:
+            refs = json.dumps(volume)
+            assert "sdcguard-alarm-key" not in refs or volume["name"] == names.ALARM_KEY_VOLUME, volume
+        assert {"configMap": {"name": "settings"}} in next(v for v in out["spec"]["volumes"]
+                                                           if v["name"] == "proj")["projected"]["sources"]
+        assert train["envFrom"] != out["spec"]["containers"][0]["envFrom"] == [{"configMapRef": {"name": "x"}}]
+        if enabled:
+            [sidecar] = [c for c in out["spec"]["initContainers"] if c["name"] == names.SIDECAR_CONTAINER]
+            assert sidecar["image"] == IMAGE
+        kubernetes_validate.validate(out, K8S_VERSION, strict=True)
 
 
 def test_pods_that_are_not_pytorchjob_pods_are_ignored(server: WebhookOperator) -> None:
@@ -304,7 +369,8 @@ def test_a_training_container_cannot_claim_the_key_volume_by_name() -> None:
     pod = job_pod("llm")
     pod["spec"]["volumes"] = [{"name": names.ALARM_KEY_VOLUME, "emptyDir": {}}]
     pod["spec"]["containers"][0]["volumeMounts"] = [{"name": names.ALARM_KEY_VOLUME, "mountPath": "/stolen"}]
-    out, _ = webhook.mutated(pod, {"sdcguard.dev/enabled": "true"}, webhook.SidecarSettings(image=IMAGE))
+    out, _ = webhook.mutated(pod, {"sdcguard.dev/enabled": "true"}, webhook.SidecarSettings(image=IMAGE),
+                             pod["metadata"]["ownerReferences"][0]["uid"])
     assert out is not None
     assert [v for v in out["spec"]["volumes"] if v["name"] == names.ALARM_KEY_VOLUME] == [
         {"name": names.ALARM_KEY_VOLUME, "secret": {"secretName": "sdcguard-alarm-key-llm", "optional": True,
@@ -316,11 +382,12 @@ def test_plan_and_inject_are_pure_and_idempotent() -> None:
     settings = webhook.SidecarSettings(image=IMAGE)
     pod = job_pod("llm")
     before = copy.deepcopy(pod)
-    out, warnings = webhook.mutated(pod, {"sdcguard.dev/enabled": "true"}, settings)
+    uid = pod["metadata"]["ownerReferences"][0]["uid"]
+    out, warnings = webhook.mutated(pod, {"sdcguard.dev/enabled": "true"}, settings, uid)
     assert out is not None and warnings == [] and pod == before  # the input is not touched
-    again, _ = webhook.mutated(out, {"sdcguard.dev/enabled": "true"}, settings)
+    again, _ = webhook.mutated(out, {"sdcguard.dev/enabled": "true"}, settings, uid)
     assert again == out
-    off, warnings = webhook.mutated(pod, {"sdcguard.dev/enabled": "yes"}, settings)
+    off, warnings = webhook.mutated(pod, {"sdcguard.dev/enabled": "yes"}, settings, uid)
     assert off is None and "neither" in warnings[0]
 
 

@@ -81,3 +81,13 @@ ENV_ALARM_KEY_FILE = "SDCGUARD_ALARM_KEY_FILE"
 """The sidecar's signing key file (default ``ALARM_KEY_FILE``)."""
 DOWNWARD_API = {ENV_POD_NAME: "metadata.name", ENV_POD_NAMESPACE: "metadata.namespace", ENV_NODE_NAME: "spec.nodeName"}
 """Environment variable -> downward-API field path, as the webhook adds them."""
+POD_UID_FIELD = "metadata.uid"
+"""The downward-API field the webhook maps to ``POD_UID`` (beside ``DOWNWARD_API``)."""
+
+# -- the tenant boundary (SPEC §9) ------------------------------------------------------------------
+MASTER_KEY_SECRET = "sdcguard-master-key"
+"""The operator's master key (operator namespace); each job's alarm key is derived from it."""
+ALARM_LEDGER_PREFIX = "sdcguard-alarms-"
+"""Per job: the ConfigMap ``sdcguard-alarms-<job>`` (owned by the job) of alarm ids already handled."""
+SEAL_ANNOTATION = f"{GROUP}/operator-seal"
+"""On every SDCIncident and NodeReplacement the operator creates: an HMAC under its master key."""

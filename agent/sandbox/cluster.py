@@ -108,6 +108,13 @@ class Sandbox:
         self.webhook_port = free_port()  # the pod and NodeReplacement webhooks register in the same kopf
         # The caller's own SDCGUARD_* / AWS_* settings must not reach the sandbox's processes.
         inherited = {k: v for k, v in os.environ.items() if not k.startswith(("SDCGUARD_", "AWS_"))}
+        if not admission:  # as the chart sets it without the NodeReplacement webhook: nobody records deciders
+            settings.setdefault("SDCGUARD_REQUIRE_ADMISSION_DECISIONS", "false")
+        if pod_webhook:
+            # The sandbox's alarms come from `sdcguard drill --placement`, run outside any pod: until
+            # the placement file carries the pods' and the job's uids for the drill to sign, its
+            # records lack them (the migration setting; the operator tests keep the strict default).
+            settings.setdefault("SDCGUARD_REQUIRE_ALARM_UIDS", "false")
         self.env = {**inherited, **self.aws.env(), "KUBECONFIG": str(self.kube.kubeconfig), "KUBECTL": KUBECTL,
                     WORKDIR_ENV: str(self.workdir), "PYTHONSAFEPATH": "1",
                     "PATH": f"{BINDIR}:{os.environ.get('PATH', '')}",
@@ -193,21 +200,31 @@ class Sandbox:
             self.aws.add_cluster(self.cluster, {instance_id: group})
         return name
 
-    def job(self, namespace: str, name: str, enabled: bool = True, annotations: dict[str, str] | None = None) -> None:
-        """A PyTorchJob (not suspended), enabled for sdcguard unless ``enabled=False``."""
+    def job(self, namespace: str, name: str, enabled: bool = True, annotations: dict[str, str] | None = None) -> str:
+        """A PyTorchJob (not suspended), enabled for sdcguard unless ``enabled=False``; its uid."""
         annotations = {**({names.ENABLED_ANNOTATION: "true"} if enabled else {}), **(annotations or {})}
-        self.custom.create_namespaced_custom_object(names.JOB_GROUP, names.JOB_VERSION, namespace, names.JOB_PLURAL, {
+        return self.custom.create_namespaced_custom_object(names.JOB_GROUP, names.JOB_VERSION, namespace, names.JOB_PLURAL, {
             "apiVersion": f"{names.JOB_GROUP}/{names.JOB_VERSION}", "kind": names.JOB_KIND,
             "metadata": {"name": name, "namespace": namespace, "annotations": annotations},
-            "spec": {"runPolicy": {"suspend": False}, "pytorchReplicaSpecs": {}}})
+            "spec": {"runPolicy": {"suspend": False}, "pytorchReplicaSpecs": {}}})["metadata"]["uid"]
 
-    def pod(self, namespace: str, name: str, job: str, node: str) -> None:
-        """A worker pod of ``job`` bound to ``node``, labelled as the training operator labels it."""
-        self.core.create_namespaced_pod(namespace, {
-            "metadata": {"name": name, "namespace": namespace,
-                         "labels": {names.JOB_NAME_LABEL: job, "training.kubeflow.org/replica-type": "worker"}},
-            "spec": {"nodeName": node, "containers": [{"name": "pytorch", "image": "train:1"}]},
-            "status": {"phase": "Running"}})
+    def job_uid(self, namespace: str, name: str) -> str:
+        return self.custom.get_namespaced_custom_object(names.JOB_GROUP, names.JOB_VERSION, namespace,
+                                                        names.JOB_PLURAL, name)["metadata"]["uid"]
+
+    def pod(self, namespace: str, name: str, job: str, node: str, *, owned: bool = True) -> str:
+        """A worker pod of ``job`` bound to ``node``, labelled and owned (controlling ownerReference,
+        the job's live uid) as the training operator makes it; ``owned=False``: a pod anyone could
+        create with the job's label. Returns its uid."""
+        meta: dict[str, Any] = {"name": name, "namespace": namespace,
+                                "labels": {names.JOB_NAME_LABEL: job, "training.kubeflow.org/replica-type": "worker"}}
+        if owned:
+            meta["ownerReferences"] = [{"apiVersion": names.JOB_API_VERSION, "kind": names.JOB_KIND, "name": job,
+                                        "uid": self.job_uid(namespace, job), "controller": True,
+                                        "blockOwnerDeletion": True}]
+        return self.core.create_namespaced_pod(namespace, {
+            "metadata": meta, "spec": {"nodeName": node, "containers": [{"name": "pytorch", "image": "train:1"}]},
+            "status": {"phase": "Running"}}).metadata.uid
 
     def training(self, namespace: str, job: str, nodes: list[str], enabled: bool = True,
                  annotations: dict[str, str] | None = None) -> list[str]:

@@ -24,8 +24,9 @@ secrets; ``kubeflow.org/v1`` pytorchjobs; ``sdcguard.dev/v1`` sdcincidents (name
 nodereplacements (cluster-scoped), both with the ``status`` subresource.
 
 Fixed here, server-side, because kmock 0.8 lacks them (see ../shared/TOOLING.md):
-``watch=True`` recognised; create answers 201; ``metadata.generateName`` honoured; ``uid``,
-``creationTimestamp``, ``kind``, ``apiVersion`` filled in; a new ``resourceVersion`` on every change,
+``watch=True`` recognised; create answers 201; ``metadata.generateName`` honoured; ``uid`` and
+``creationTimestamp`` assigned by the server (a client's own values are overwritten), ``kind``,
+``apiVersion`` filled in; a new ``resourceVersion`` on every change,
 and optimistic concurrency on it: a patch carrying a stale ``metadata.resourceVersion`` answers
 409 Conflict (a JSON-patch ``test`` of a stale one answers 422, as kopf expects); core discovery says ``v1``;
 lists carry ``kind``/``apiVersion``; watch streams are served as JSON lines.
@@ -274,8 +275,8 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
                 request.data.setdefault("apiVersion", f"{group}/{version}" if group else version)
             if not meta.get("name") and meta.get("generateName"):
                 meta["name"] = meta["generateName"] + secrets.token_hex(5)
-            meta.setdefault("uid", str(uuid.uuid4()))
-            meta.setdefault("creationTimestamp", _now())
+            meta["uid"] = str(uuid.uuid4())  # the server's, never the client's (as the API server does)
+            meta["creationTimestamp"] = _now()
             meta["resourceVersion"] = str(next(self._versions))
             if request.namespace and not meta.get("namespace"):
                 meta["namespace"] = request.namespace
