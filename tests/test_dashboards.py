@@ -273,7 +273,7 @@ def alerts(rule: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def test_rules_pass_promtool_check(rules_file: Path) -> None:
     done = subprocess.run([PROMTOOL, "check", "rules", str(rules_file)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "SUCCESS: 8 rules found" in done.stdout
+    assert "SUCCESS: 9 rules found" in done.stdout
 
 
 def test_rule_expressions_name_exported_metrics(exported: dict[str, set[str]]) -> None:
@@ -292,7 +292,7 @@ def test_rule_settings_reach_the_rules() -> None:
     by_name = alerts(rule)
     assert set(by_name) == {"SdcguardAlarmRaised", "SdcguardIncidentOpened", "SdcguardReplacementPendingApproval",
                             "SdcguardSpoolBacklogGrowing", "SdcguardAwsCallErrors", "SdcguardStormGuardHolding",
-                            "SdcguardAlarmSignatureRejected", "SdcguardAlarmsRejected"}
+                            "SdcguardAlarmSignatureRejected", "SdcguardAlarmsRejected", "SdcguardAlarmEventNameTaken"}
     assert by_name["SdcguardReplacementPendingApproval"]["expr"].endswith("> 300")
     assert by_name["SdcguardSpoolBacklogGrowing"]["for"] == "3m"
     assert all(r["labels"]["team"] == "ml" for r in by_name.values())
@@ -301,7 +301,8 @@ def test_rule_settings_reach_the_rules() -> None:
 SEVERITY = {"SdcguardAlarmRaised": "critical", "SdcguardIncidentOpened": "critical",
             "SdcguardReplacementPendingApproval": "warning", "SdcguardSpoolBacklogGrowing": "warning",
             "SdcguardAwsCallErrors": "warning", "SdcguardStormGuardHolding": "critical",
-            "SdcguardAlarmSignatureRejected": "critical", "SdcguardAlarmsRejected": "warning"}
+            "SdcguardAlarmSignatureRejected": "critical", "SdcguardAlarmsRejected": "warning",
+            "SdcguardAlarmEventNameTaken": "critical"}
 POD = {"namespace": "ml", "pod": "gpt-worker-1"}
 
 
@@ -349,6 +350,12 @@ def unit_tests(descriptions: dict[str, str]) -> list[dict[str, Any]]:
          [(5, "SdcguardAwsCallErrors", [_expect(
              "SdcguardAwsCallErrors", {"operation": "BatchReplaceClusterNodes", "code": "InstanceIdInUse"},
              "SageMaker BatchReplaceClusterNodes calls failed (InstanceIdInUse)")])]),
+        # An alarm's Event name taken in advance (issue 20, 3): fires on the first one.
+        ([('sdcguard_sidecar_event_name_taken_total{namespace="ml",pod="gpt-worker-1"}', "_x4 1x30")],
+         [(3, "SdcguardAlarmEventNameTaken", []),
+          (6, "SdcguardAlarmEventNameTaken", [_expect("SdcguardAlarmEventNameTaken", POD,
+                                                      "An alarm Event name of pod ml/gpt-worker-1 was taken by "
+                                                      "another Event")])]),
         # Signature rejections and the other rejections are two alerts.
         ([('sdcguard_alarms_rejected_total{reason="BadSignature"}', "_x3 1x30"),
           ('sdcguard_alarms_rejected_total{reason="PodNotFound"}', "_x8 1x30")],

@@ -445,3 +445,39 @@ def test_wait_published_is_bounded_and_gives_up_early_on_a_quarantined_record(tm
     assert spool.state(spool_dir, "job9-replay-step8") == "quarantined"
     assert not spool.wait_published(spool_dir, "job9-replay-step8", timeout=3600)  # at once
     assert spool.state(spool_dir, "never-written") == "missing"
+
+
+def test_an_event_name_taken_in_advance_cannot_suppress_the_alarm(kube: Any, tmp_path: Path) -> None:
+    """Attack (issue 20, 3): the Event name follows from the alarm id (run_id-n-check-step, run_id
+    is in every checkpoint manifest), and the sidecar took 409 on create as "published before".
+    Someone who may create Events pre-created the likely names, and the real alarm was dropped
+    without a trace. Now the sidecar reads the Event of that name: not this alarm's annotation and
+    signature, so it publishes under a fresh name (a digest of the signature nobody can foresee),
+    counts it and logs it; the alert SDCGuardAlarmEventNameTaken fires on that counter."""
+    spool_dir = tmp_path / "spool"
+    api = kubernetes.client.CoreV1Api(kube.api_client())
+    real = record("job7-replay-step40", namespace="squat", step=40)
+    planted = api.create_namespaced_event("squat", {
+        "metadata": {"name": events.event_name(real["id"]), "namespace": "squat",
+                     "annotations": {names.ALARM_ANNOTATION: "{}"}},
+        "type": "Normal", "reason": "Squatted", "message": "taken in advance",
+        "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": "llm-worker-1", "namespace": "squat"}})
+    assert planted.metadata.name == events.event_name(real["id"])
+    sidecar = Sidecar(spool_dir, kube.kubeconfig)
+    try:
+        spool.write_alarm(spool_dir, real)
+        wait_for(lambda: len(published(spool_dir)) == 1, "the record published under another name")
+        [event] = alarm_events(kube, "squat")
+        assert event.metadata.name.startswith(events.event_name(real["id"]) + "-")
+        text = event.metadata.annotations[names.ALARM_ANNOTATION]
+        assert alarm.loads(text) == real
+        assert events.signature_matches(sidecar.key, text, event.metadata.annotations[names.ALARM_SIGNATURE_ANNOTATION])
+        assert sidecar.metric("sdcguard_sidecar_event_name_taken_total") == 1.0
+        assert sidecar.metric("sdcguard_sidecar_alarms_already_published_total") in (None, 0.0)
+        assert "someone took its name" in sidecar.output()
+        # the same record again (a crash before the file moved): the fresh-name Event is recognised
+        spool.write_alarm(spool_dir, real)
+        wait_for(lambda: len(published(spool_dir)) == 2, "the retried record set aside")
+        assert len(alarm_events(kube, "squat")) == 1
+    finally:
+        assert sidecar.stop() == 0

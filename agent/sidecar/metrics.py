@@ -34,6 +34,11 @@ class PublisherMetrics:
         self.already_published = Counter(
             "sdcguard_sidecar_alarms_already_published",
             "Records whose Event already existed (HTTP 409: a retry after a crash)", registry=registry)
+        self.name_taken = Counter(
+            "sdcguard_sidecar_event_name_taken",
+            "An alarm's Event name was taken by an Event that is not that alarm (other annotation or "
+            "signature): the alarm was published under a fresh name; someone may be trying to suppress alarms",
+            registry=registry)
         self.errors = Counter(
             "sdcguard_sidecar_publish_errors",
             "Failed attempts to create an Event, by reason (unreachable or the HTTP status)",

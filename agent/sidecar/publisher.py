@@ -69,6 +69,9 @@ class EventSink(Protocol):
     def create(self, namespace: str, body: dict[str, Any]) -> bool:
         """Create the Event; True if created, False if it already existed; else PublishError."""
 
+    def annotations(self, namespace: str, name: str) -> dict[str, str] | None:
+        """The annotations of an existing Event (None: it is gone); else PublishError."""
+
 
 class KubeEventSink:
     """Events through the official ``kubernetes`` client, with our own timeouts and no client-side
@@ -101,6 +104,36 @@ class KubeEventSink:
                                permanent=exc.status in REJECTED) from None
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise PublishError("unreachable", str(exc)) from None
+
+    def annotations(self, namespace: str, name: str) -> dict[str, str] | None:
+        import urllib3
+
+        try:
+            event = self._core.read_namespaced_event(name, namespace, _request_timeout=self._timeout)
+        except self._api_exception as exc:
+            if exc.status == 404:
+                return None
+            raise PublishError(str(exc.status or "unreachable"), f"{exc.reason}") from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise PublishError("unreachable", str(exc)) from None
+        return dict(event.metadata.annotations or {})
+
+
+SIGNED = (names.ALARM_ANNOTATION, names.ALARM_SIGNATURE_ANNOTATION)
+FRESH_NAME_TRIES = 3
+
+
+def fresh_name(body: dict[str, Any], attempt: int) -> str:
+    """Another name for an alarm's Event when its own is taken by an Event that is not this alarm:
+    the usual name plus a digest of the signature (or text), which nobody without the key can
+    foresee, so the name cannot be taken in advance; later attempts add a random part."""
+    import hashlib
+
+    annotations = body["metadata"]["annotations"]
+    digest = hashlib.sha256((annotations.get(names.ALARM_SIGNATURE_ANNOTATION) or
+                             annotations[names.ALARM_ANNOTATION]).encode()).hexdigest()[:12]
+    suffix = digest if attempt == 1 else f"{digest[:6]}{random.getrandbits(32):08x}"
+    return f"{body['metadata']['name'][:253 - len(suffix) - 1]}-{suffix}"
 
 
 @dataclass(slots=True)
@@ -149,7 +182,7 @@ class Publisher:
             if body is None:
                 continue
             try:
-                created = self.sink.create(body["metadata"]["namespace"], body)
+                created = self._publish(body)
             except PublishError as exc:
                 self.metrics.errors.labels(exc.reason).inc()
                 if exc.permanent:
@@ -176,6 +209,27 @@ class Publisher:
 
     def backlog(self) -> int:
         return len(spool.list_alarms(self.spool))
+
+    def _publish(self, body: dict[str, Any]) -> bool:
+        """Create the Event; on 409 read the one of that name: if it carries this very alarm and
+        signature, it was published before (False); if not, someone took the name (a pre-created
+        Event would otherwise suppress the alarm without a trace): publish under a fresh name,
+        count it and say so (True)."""
+        namespace, original = body["metadata"]["namespace"], body["metadata"]["name"]
+        for attempt in range(FRESH_NAME_TRIES + 1):
+            if self.sink.create(namespace, body):
+                return True
+            existing = self.sink.annotations(namespace, body["metadata"]["name"])
+            wanted = {k: body["metadata"]["annotations"].get(k) for k in SIGNED}
+            if existing is not None and {k: existing.get(k) for k in SIGNED} == wanted:
+                return False
+            self.metrics.name_taken.inc()
+            log.error("sdcguard sidecar: Event %s/%s exists but is not this alarm (%s): someone took its name; "
+                      "publishing under another", namespace, body["metadata"]["name"],
+                      "gone since" if existing is None else "other annotation or signature")
+            body = {**body, "metadata": {**body["metadata"], "name": fresh_name(
+                {**body, "metadata": {**body["metadata"], "name": original}}, attempt + 1)}}
+        raise PublishError("name-taken", f"every name tried for the Event of {original} is taken")
 
     def _event_for(self, path: Path, key: bytes | None) -> dict[str, Any] | None:
         """The Event body for a spool file; None (after quarantining it if need be) otherwise."""
