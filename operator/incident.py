@@ -157,6 +157,7 @@ def recovery(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "resumeFrom": spec.get("lastGoodCheckpoint"),
         "resumeFromStep": resume_step,
+        "resumeFromSha256": spec.get("lastGoodCheckpointSha256"),
         "suspectWindow": {"firstStep": first, "lastStep": last, "range": window_range(first, last)},
         "stepsAtRisk": at_risk,
         "lastAuditedStep": _step(alarm.get("last_audited_step")),

@@ -23,6 +23,7 @@ import collections
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -32,6 +33,21 @@ from sdcguard.contract import names
 
 class PluginError(Exception):
     pass
+
+
+_ESCAPES = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[ -/]*[0-~])|\x9b[0-?]*[ -/]*[@-~]")
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def clean(text: Any) -> str:
+    """``text`` without terminal escape sequences (ANSI CSI/OSC, C1) and control characters (tabs
+    and newlines kept): what an alarm or an object carries can never rewrite the screen a person
+    approves from. Everything the plugin prints passes through here."""
+    return _CONTROLS.sub("", _ESCAPES.sub("", str(text)))
+
+
+def _one_line(text: Any) -> str:
+    return clean(text).replace("\n", " ").replace("\t", " ")
 
 
 def kubectl(*args: str) -> str:
@@ -90,18 +106,22 @@ def incidents() -> list[dict[str, Any]]:
 
 
 def table(rows: list[list[str]]) -> str:
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("   ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+    rows = [[_one_line(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("   ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 
 
-INCIDENT_COLUMNS = ["NAMESPACE", "NAME", "JOB", "CHECK", "STEP", "SUSPECTS", "WINDOW", "RESUME-FROM", "AT-RISK",
-                    "PHASE", "AGE"]
+INCIDENT_COLUMNS = ["NAMESPACE", "NAME", "JOB", "CHECK", "STEP", "SUSPECTS", "WINDOW", "RESUME-FROM", "SHA256",
+                    "AT-RISK", "DRILL", "PHASE", "AGE"]
 
 
 def incidents_table(now: datetime.datetime | None = None) -> str:
-    """One row per incident: what fired where, the suspect nodes and window, where to resume, and
-    how many steps resuming redoes. Incidents opened before the operator recorded the recovery
-    plan show what their spec says, and ``-`` for the rest."""
+    """One row per incident: what fired where, the suspect nodes and window, where to resume (the
+    checkpoint, its manifest step and the first 12 hex digits of its sha256, as the alarm named
+    them: verify with ``sdcguard verify-checkpoint PATH --step N --sha256 H``), how many steps
+    resuming redoes, and whether the alarm came from ``sdcguard drill`` (a release test). Incidents
+    opened before the operator recorded the recovery plan show what their spec says, and ``-`` for
+    the rest."""
     now = now or datetime.datetime.now(datetime.timezone.utc)
     rows = [INCIDENT_COLUMNS]
     for item in incidents():
@@ -109,7 +129,8 @@ def incidents_table(now: datetime.datetime | None = None) -> str:
         suspects = ",".join(s.get("node") or "?" for s in spec.get("suspects") or []) or "-"
         rows.append([meta.get("namespace", ""), meta["name"], (spec.get("job") or {}).get("name", ""),
                      spec.get("check", ""), _text(spec.get("step")), suspects, _window(spec, status),
-                     _resume(spec, status), _text(status.get("stepsAtRisk")), status.get("phase") or "-",
+                     _resume(spec, status), _sha(spec, status), _text(status.get("stepsAtRisk")),
+                     "yes" if spec.get("drill") else "-", status.get("phase") or "-",
                      age(meta.get("creationTimestamp"), now)])
     return table(rows)
 
@@ -132,7 +153,14 @@ def _resume(spec: dict[str, Any], status: dict[str, Any]) -> str:
     if not path:
         return "none"
     step = status.get("resumeFromStep")
+    if step is None:
+        step = spec.get("lastGoodCheckpointStep")
     return f"{path} (step {step})" if step is not None else str(path)
+
+
+def _sha(spec: dict[str, Any], status: dict[str, Any]) -> str:
+    digest = status.get("resumeFromSha256") or spec.get("lastGoodCheckpointSha256")
+    return str(digest)[:12] if digest else "-"
 
 
 def age(stamp: str | None, now: datetime.datetime) -> str:
@@ -181,15 +209,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.command in ("approve", "deny"):
-            print(decide(args.name, "Approved" if args.command == "approve" else "Denied", args.reason))
+            print(clean(decide(args.name, "Approved" if args.command == "approve" else "Denied", args.reason)))
         elif args.command == "release":
-            print(release(args.node, args.reason))
+            print(clean(release(args.node, args.reason)))
         elif args.command == "incidents":
             print(incidents_table())
         else:
             print(history_table())
     except PluginError as exc:
-        print(f"kubectl sdcguard: error: {exc}", file=sys.stderr)
+        print(clean(f"kubectl sdcguard: error: {exc}"), file=sys.stderr)
         return 1
     return 0
 

@@ -18,11 +18,13 @@ from sdcguard.sandbox.kube import start_emulator
 
 from sdcguard_operator import kubectl_plugin
 
-COLUMNS = ["NAMESPACE", "NAME", "JOB", "CHECK", "STEP", "SUSPECTS", "WINDOW", "RESUME-FROM", "AT-RISK", "PHASE",
-           "AGE"]
+COLUMNS = ["NAMESPACE", "NAME", "JOB", "CHECK", "STEP", "SUSPECTS", "WINDOW", "RESUME-FROM", "SHA256", "AT-RISK",
+           "DRILL", "PHASE", "AGE"]
+SHA = "ab12" * 16
+ESCAPES = "\x1b[2J\x1b[1;1H\x1b]0;ok\x07\x9b32mAPPROVED: healthy\x1b[0m"
 
 
-def _incident(ns: str, name: str, record: dict, status: dict | None) -> dict:
+def _incident(ns: str, name: str, record: dict, status: dict | None, **spec: object) -> dict:
     window = record["suspect_window"]
     body = {"apiVersion": "sdcguard.dev/v1", "kind": "SDCIncident", "metadata": {"name": name, "namespace": ns},
             "spec": {"job": record["job"], "check": record["check"], "step": record["step"], "ambiguous": False,
@@ -30,7 +32,7 @@ def _incident(ns: str, name: str, record: dict, status: dict | None) -> dict:
                      "suspectWindow": {"firstStep": window["first_step"], "lastStep": window["last_step"]},
                      "lastVerifiedStep": record["last_verified_step"],
                      "lastGoodCheckpoint": record["last_good_checkpoint"], "alarmId": record["id"],
-                     "event": f"sdcguard-{name}", "alarm": record}}
+                     "event": f"sdcguard-{name}", "alarm": record, **spec}}
     if status is not None:
         body["status"] = status
     return body
@@ -46,15 +48,21 @@ def kube(tmp_path_factory: pytest.TempPathFactory):
     older = make_alarm("ml", "llm", check="weights", step=300, checkpoint="s3://ckpt/llm/step-250.pt",
                        suspects=[(2, "llm-worker-1", "hyperpod-i-0fedcba9876543210")])
     fresh = make_alarm("research", "bert", check="nonfinite-reduced", step=5, checkpoint=None)
-    for ns, name, record, status in [
+    # written past the CRD's patterns (an API server without them, or an older CRD): the plugin
+    # must still print no control character
+    forged = make_alarm("zz", "evil", step=9, checkpoint=f"ckpt.pt{ESCAPES}")
+    for ns, name, record, status, spec in [
         ("ml", "llm-replay-4200", current, {
             "phase": "AwaitingApproval", "resumeFrom": "s3://ckpt/llm/step-4000.pt", "resumeFromStep": 4000,
-            "suspectWindow": {"firstStep": 4101, "lastStep": 4200, "range": "4101-4200"}, "stepsAtRisk": 200}),
-        ("ml", "llm-weights-300", older, {"phase": "Resolved", "resumeFrom": "s3://ckpt/llm/step-250.pt"}),
-        ("research", "bert-nonfinite-reduced-5", fresh, None),
+            "resumeFromSha256": SHA, "suspectWindow": {"firstStep": 4101, "lastStep": 4200, "range": "4101-4200"},
+            "stepsAtRisk": 200}, {"lastGoodCheckpointSha256": SHA, "lastGoodCheckpointStep": 4000, "drill": True}),
+        ("ml", "llm-weights-300", older, {"phase": "Resolved", "resumeFrom": "s3://ckpt/llm/step-250.pt"}, {}),
+        ("research", "bert-nonfinite-reduced-5", fresh, None, {}),
+        ("zz", "evil-replay-9", forged, {"phase": "AwaitingApproval", "resumeFrom": f"ckpt.pt{ESCAPES}"},
+         {"job": {**forged["job"], "name": f"evil{ESCAPES}"}}),
     ]:
         custom.create_namespaced_custom_object("sdcguard.dev", "v1", ns, "sdcincidents",
-                                               _incident(ns, name, record, status))
+                                               _incident(ns, name, record, status, **spec))
     yield emulator
     emulator.stop()
 
@@ -75,14 +83,20 @@ def _rows(text: str) -> list[dict[str, str]]:
 EXPECTED = [
     {"NAMESPACE": "ml", "NAME": "llm-replay-4200", "JOB": "llm", "CHECK": "replay", "STEP": "4200",
      "SUSPECTS": "hyperpod-i-0123456789abcdef0", "WINDOW": "4101-4200",
-     "RESUME-FROM": "s3://ckpt/llm/step-4000.pt (step 4000)", "AT-RISK": "200", "PHASE": "AwaitingApproval"},
+     "RESUME-FROM": "s3://ckpt/llm/step-4000.pt (step 4000)", "SHA256": SHA[:12], "AT-RISK": "200", "DRILL": "yes",
+     "PHASE": "AwaitingApproval"},
     # opened by an older operator: the window from the spec, no step or risk invented
     {"NAMESPACE": "ml", "NAME": "llm-weights-300", "JOB": "llm", "CHECK": "weights", "STEP": "300",
      "SUSPECTS": "hyperpod-i-0fedcba9876543210", "WINDOW": "300-300", "RESUME-FROM": "s3://ckpt/llm/step-250.pt",
-     "AT-RISK": "-", "PHASE": "Resolved"},
+     "SHA256": "-", "AT-RISK": "-", "DRILL": "-", "PHASE": "Resolved"},
     # not yet opened, no suspect rank, no verified checkpoint
     {"NAMESPACE": "research", "NAME": "bert-nonfinite-reduced-5", "JOB": "bert", "CHECK": "nonfinite-reduced",
-     "STEP": "5", "SUSPECTS": "-", "WINDOW": "5-5", "RESUME-FROM": "none", "AT-RISK": "-", "PHASE": "-"},
+     "STEP": "5", "SUSPECTS": "-", "WINDOW": "5-5", "RESUME-FROM": "none", "SHA256": "-", "AT-RISK": "-",
+     "DRILL": "-", "PHASE": "-"},
+    # issue 20, 8: escape sequences that would clear the screen and paint "APPROVED" are gone
+    {"NAMESPACE": "zz", "NAME": "evil-replay-9", "JOB": "evilAPPROVED: healthy", "CHECK": "replay", "STEP": "9",
+     "SUSPECTS": "-", "WINDOW": "9-9", "RESUME-FROM": "ckpt.ptAPPROVED: healthy", "SHA256": "-", "AT-RISK": "-",
+     "DRILL": "-", "PHASE": "AwaitingApproval"},
 ]
 
 
@@ -92,6 +106,7 @@ def test_kubectl_finds_the_plugin_and_prints_the_recovery_plan(kube) -> None:
     assert done.returncode == 0, done.stderr
     rows = _rows(done.stdout)
     assert [{k: v for k, v in row.items() if k != "AGE"} for row in rows] == EXPECTED
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", done.stdout)  # no control character at all
     assert all(row["AGE"].endswith("s") for row in rows)  # created moments ago
 
 
@@ -108,6 +123,13 @@ def test_main_reports_kubectl_failures(monkeypatch, capsys, tmp_path) -> None:
     monkeypatch.setenv("PATH", f"{pathlib.Path(sys.prefix) / 'bin'}:{os.environ.get('PATH', '')}")
     assert kubectl_plugin.main(["incidents"]) == 1
     assert capsys.readouterr().err.startswith("kubectl sdcguard: error: ")
+
+
+def test_clean_strips_every_terminal_escape_and_control_character() -> None:
+    """Attack (issue 20, 8): free strings reached the plugin's output raw; an ANSI escape could
+    rewrite the screen a person approves from (clear it, move the cursor, set the title)."""
+    assert kubectl_plugin.clean(f"a{ESCAPES}b\x00\x07\x1bc\x85d") == "aAPPROVED: healthybd"
+    assert kubectl_plugin.clean("tab\tand\nnewline stay") == "tab\tand\nnewline stay"
 
 
 def test_age_reads_like_kubectl() -> None:

@@ -41,7 +41,7 @@ def test_happy_path_event_to_replaced(world):
     ids, nodes, pods = _setup(world, ns)
     record = make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[1])], reporter=(0, pods[0], nodes[0]),
                         window=(31, 40), last_good_checkpoint_step=19, steps_at_risk=21, last_audited_step=30,
-                        last_weights_verified_step=38)
+                        last_weights_verified_step=38, last_good_checkpoint_sha256="5a" * 32)
     event = world.alarm_event(ns, record)
 
     name = "llm-replay-40"
@@ -67,6 +67,9 @@ def test_happy_path_event_to_replaced(world):
     assert incident["spec"]["lastGoodCheckpoint"] == "checkpoint-19.pt"
     assert incident["status"]["resumeFrom"] == "checkpoint-19.pt"
     assert (incident["status"]["resumeFromStep"], incident["status"]["stepsAtRisk"]) == (19, 21)
+    # issue 19: the checkpoint's manifest step and sha256 as the alarm named them, not a drill
+    assert (incident["spec"]["lastGoodCheckpointStep"], incident["spec"]["lastGoodCheckpointSha256"],
+            incident["status"]["resumeFromSha256"], incident["spec"]["drill"]) == (19, "5a" * 32, "5a" * 32, False)
     assert incident["status"]["suspectWindow"] == {"firstStep": 31, "lastStep": 40, "range": "31-40"}
     assert (incident["status"]["lastAuditedStep"], incident["status"]["lastWeightsVerifiedStep"]) == (30, 38)
     assert incident["status"]["nodes"][nodes[1]]["instanceId"] == ids[1]
@@ -95,8 +98,11 @@ def test_happy_path_event_to_replaced(world):
 def test_deny_with_plain_kubectl_patch_uncordons(world):
     ns = "deny"
     ids, nodes, pods = _setup(world, ns)
-    world.alarm_event(ns, make_alarm(ns, "llm", check="weights", step=7, suspects=[(2, pods[2], nodes[2])]))
+    world.alarm_event(ns, make_alarm(ns, "llm", check="weights", step=7, suspects=[(2, pods[2], nodes[2])],
+                                     drill=True))  # issue 19: a drill's alarm is acted on, and shown as one
     world.wait(lambda: _phase(world, nodes[2]) == "PendingApproval", what="PendingApproval")
+    assert world.incident(ns, "llm-weights-7")["spec"]["drill"] is True
+    assert world.incident(ns, "llm-weights-7")["status"]["timeline"][0]["message"].startswith("drill weights alarm")
     assert world.node_state(nodes[2]) == (True, "true")
     status = world.incident(ns, "llm-weights-7")["status"]  # a record from an older library: no guesses
     assert status["suspectWindow"] == {"firstStep": 7, "lastStep": 7, "range": "7-7"}
@@ -259,11 +265,13 @@ def test_kubectl_sdcguard_history_and_incidents(world):
     assert listing.returncode == 0, listing.stderr
     header, *rows = listing.stdout.splitlines()
     assert header.split() == ["NAMESPACE", "NAME", "JOB", "CHECK", "STEP", "SUSPECTS", "WINDOW", "RESUME-FROM",
-                              "AT-RISK", "PHASE", "AGE"]
+                              "SHA256", "AT-RISK", "DRILL", "PHASE", "AGE"]
     [happy] = [row for row in rows if row.startswith("happy ")]
     cells = happy.split()
     assert cells[1:5] == ["llm-replay-40", "llm", "replay", "40"] and cells[5].startswith("hyperpod-i-")
-    assert cells[6:11] == ["31-40", "checkpoint-19.pt", "(step", "19)", "21"] and cells[11] == "Resolved"
+    assert cells[6:13] == ["31-40", "checkpoint-19.pt", "(step", "19)", "5a" * 6, "21", "-"] and cells[13] == "Resolved"
+    [drill] = [row for row in rows if row.startswith("deny ")]
+    assert drill.split()[8:11] == ["-", "-", "yes"]  # no sha256 named, no step at risk; from a drill
     history = world.kubectl("sdcguard", "history")
     assert history.returncode == 0, history.stderr
     lines = history.stdout.splitlines()
@@ -282,7 +290,7 @@ def test_kubectl_sdcguard_history_and_incidents(world):
     assert row.split()[5:9] == ["31-40", "checkpoint-19.pt", "21", "Resolved"]
     wide = world.kubectl("get", "sdcincidents", "-n", "happy", "-o", "wide")
     assert wide.returncode == 0, wide.stderr
-    assert wide.stdout.splitlines()[0].split()[7:9] == ["RESUME-STEP", "AT-RISK"]
+    assert wide.stdout.splitlines()[0].split()[7:10] == ["RESUME-STEP", "RESUME-SHA256", "AT-RISK"]
 
 
 def test_early_approval_waits_for_the_health_check(world):
