@@ -18,7 +18,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -29,9 +29,6 @@ from .checks.weights import fingerprint_weights
 from .contract.alarm import now_rfc3339
 from .contract.spool import write_json_atomic
 from .fingerprint import digest, fingerprint_many
-
-if TYPE_CHECKING:
-    from .guard import Guard
 
 log = logging.getLogger("sdcguard")
 
@@ -50,48 +47,49 @@ def manifest_path(path: str | os.PathLike[str]) -> Path:
     return Path(f"{os.fspath(path)}.sdcguard.json")
 
 
-def save_checkpoint(guard: Guard, path: str | os.PathLike[str], step: int | None = None,
-                    state: Mapping[str, Any] | None = None, *, when: bool = True,
-                    model_key: str = "model") -> Path | None:
-    """Collective: rank 0's ``when`` decides; check 3; then rank 0 writes checkpoint + manifest.
+@dataclass(frozen=True, slots=True)
+class Facts:
+    """What a manifest records, as the Guard knows it when check 3 has just passed."""
 
-    The manifest's step is the last step whose update the weights include, as the Guard counted
-    it; a ``step`` given that says otherwise is refused. When ``path`` held a checkpoint that a
-    later alarm may still name, that file is kept beside it first (``recovery.plan_save``)."""
-    if not _rank0_says(bool(when), guard):
-        return None
-    if guard.alarms_raised:
-        raise CheckpointError(
-            f"refusing to write {path}: this run raised {guard.alarms_raised} alarm(s) and its state "
-            "is suspect; resume from the last good checkpoint instead")
-    step = _manifest_step(guard.updates_through, step, path)
-    guard.check_weights(step)  # raises SDCDetected on every rank when a replica differs
+    step: int
+    """The last step whose update the saved weights include."""
+    weight_digest: str
+    """Check 3's digest of those weights."""
+    parameters: list[str]
+    """The parameter names the digest covers, in order."""
+    model_key: str
+    history: recovery.History
+    """What the run had verified by then (audits, reductions, earlier checkpoints)."""
+    replicas: int
+    run_id: str
+
+
+def save(path: str | os.PathLike[str], state: Mapping[str, Any], facts: Facts, *, keep: bool, writer: bool,
+         device: torch.device, group: dist.ProcessGroup | None) -> recovery.History:
+    """Write ``state`` and its manifest at ``path`` (on the ``writer`` rank; with a process group,
+    every rank calls and learns the outcome), keeping first the file ``path`` held when a later
+    alarm may still name it (``recovery.plan_save``). Returns the history with the new entry."""
     path = Path(path)
-    if state is None:
-        state = {"step": step, model_key: guard.module.state_dict(), "optimizer": guard.optimizer.state_dict(),
-                 "scaler": guard.scaler.state_dict() if guard.scaler is not None else None}
-    history = guard.history
-    plan = recovery.plan_save(history, str(path), step, keep=guard.config.keep_resume_points)
+    plan = recovery.plan_save(facts.history, str(path), facts.step, keep=keep)
     outcome: dict[str, Any] = {"failure": None, "sha256": None, "kept": None}
-    if guard.topology.rank == 0:
+    if writer:
         try:
             outcome["kept"] = _keep(plan.keep) if plan.keep is not None else None
-            outcome["sha256"] = _write(guard, path, step, state, model_key, plan)
+            outcome["sha256"] = _write(path, state, facts, plan)
             _remove(plan.remove)
         except (CheckpointError, OSError) as exc:
             outcome["failure"] = f"{type(exc).__name__}: {exc}"
-    if not guard.solo:  # every rank learns what rank 0 did (and waits until it has)
-        outcome = broadcast_json(outcome if guard.topology.rank == 0 else None, 0, guard.device, guard.group)
+    if group is not None:  # every rank learns what the writer did (and waits until it has)
+        outcome = broadcast_json(outcome if writer else None, 0, device, group)
     if outcome["failure"] is not None:
         raise CheckpointError(f"checkpoint {path} was not written: {outcome['failure']}")
-    saved = recovery.Checkpoint(step, str(path), history.last_audited_step, outcome["sha256"])
-    guard.history = recovery.after_save(history, plan, saved, outcome["kept"])
-    if guard.topology.rank == 0:
+    saved = recovery.Checkpoint(facts.step, str(path), facts.history.last_audited_step, outcome["sha256"])
+    if writer:
         _log_plan(plan, outcome["kept"], saved)
-    return path
+    return recovery.after_save(facts.history, plan, saved, outcome["kept"])
 
 
-def _manifest_step(known: int | None, given: int | None, path: Any) -> int:
+def manifest_step(known: int | None, given: int | None, path: Any) -> int:
     """The step a checkpoint written now holds: the Guard's count; the caller's must agree."""
     if known is None:
         raise CheckpointError(f"refusing to write {path}: no checked step has updated the weights yet "
@@ -102,6 +100,28 @@ def _manifest_step(known: int | None, given: int | None, path: Any) -> int:
             "A checkpoint's step is the last step whose update its weights include (a save at the top of "
             f"iteration {known + 1}, as nanoGPT does, holds step {known}); leave step out and sdcguard records it")
     return known
+
+
+def resumed_history(path: str | os.PathLike[str], manifest: Mapping[str, Any]) -> recovery.History:
+    """What a run resumed from ``path`` inherits: the verification its manifest recorded and the
+    earlier checkpoints it lists that still hold their step (a path written again holds another)."""
+    step = int(manifest["step"])
+    audited = manifest.get("audited_step")
+    earlier = [recovery.Checkpoint(int(c["step"]), str(c["path"]), c.get("audited_step"), c.get("sha256"),
+                                   c.get("kept_from"))
+               for c in manifest.get("earlier_checkpoints") or [] if _still_holds(c["path"], c["step"], c.get("sha256"))]
+    return recovery.History(
+        last_audited_step=audited, last_weights_verified_step=step,
+        last_reduction_verified_step=manifest.get("reduction_verified_step"),
+        checkpoints=[*earlier, recovery.Checkpoint(step, str(path), audited, manifest["sha256"])])
+
+
+def _still_holds(path: str, step: int, sha256: str | None) -> bool:
+    try:
+        read_manifest(path, expect_step=step, expect_sha256=sha256)
+        return True
+    except (CheckpointError, OSError, ValueError):
+        return False
 
 
 def _keep(entry: recovery.Checkpoint) -> str | None:
@@ -142,37 +162,35 @@ def _log_plan(plan: recovery.SavePlan, kept_as: str | None, saved: recovery.Chec
         log.info("sdcguard: removed %s: a newer verified checkpoint covers every window an alarm can open", path)
 
 
-def _write(guard: Guard, path: Path, step: int, state: Mapping[str, Any], model_key: str,
-           plan: recovery.SavePlan) -> str:
+def _write(path: Path, state: Mapping[str, Any], facts: Facts, plan: recovery.SavePlan) -> str:
     """Write ``state`` and its manifest; return the file's SHA-256."""
-    names = [n for n, _ in guard.named_parameters]
-    saved_digest = _state_digest(state, model_key, names, where=str(path))
-    if saved_digest != guard.last_weights_digest:
-        raise CheckpointError(f"state[{model_key!r}] does not hold the weights check 3 just verified "
+    saved_digest = _state_digest(state, facts.model_key, facts.parameters, where=str(path))
+    if saved_digest != facts.weight_digest:
+        raise CheckpointError(f"state[{facts.model_key!r}] does not hold the weights check 3 just verified "
                               "(pass the model's own state_dict)")
     _save_atomic(dict(state), path)
-    history = guard.history
+    history = facts.history
     sha256 = _sha256(path)
     dropped = {id(c) for c in plan.dropped}
-    earlier = [c for c in history.checkpoints if c.step < step and id(c) not in dropped and c is not plan.keep]
+    earlier = [c for c in history.checkpoints if c.step < facts.step and id(c) not in dropped and c is not plan.keep]
     if plan.keep is not None:
         earlier.append(recovery.Checkpoint(plan.keep.step, recovery.kept_path(plan.keep.path, plan.keep.step),
                                            plan.keep.audited_step, plan.keep.sha256, plan.keep.path))
     earlier.sort(key=lambda c: c.step)
     write_json_atomic(manifest_path(path), json.dumps({
-        "schema": MANIFEST_SCHEMA, "step": step, "verified": True,
-        "weight_digest": guard.last_weights_digest, "sha256": sha256,
-        "model_key": model_key, "parameters": names,
+        "schema": MANIFEST_SCHEMA, "step": facts.step, "verified": True,
+        "weight_digest": facts.weight_digest, "sha256": sha256,
+        "model_key": facts.model_key, "parameters": facts.parameters,
         "audited_step": history.last_audited_step,
-        "audited": history.last_audited_step == step,
+        "audited": history.last_audited_step == facts.step,
         "reduction_verified_step": history.last_reduction_verified_step,
         # What a run resumed from this file must know to name a checkpoint before a window that
         # reaches back past it.
         "earlier_checkpoints": [{"step": c.step, "path": c.path, "audited_step": c.audited_step,
                                  "sha256": c.sha256, "kept_from": c.kept_from}
                                 for c in earlier[-EARLIER_CHECKPOINTS:]],
-        "replicas": guard.topology.world_size,
-        "verified_at": now_rfc3339(), "run_id": guard.topology.run_id,
+        "replicas": facts.replicas,
+        "verified_at": now_rfc3339(), "run_id": facts.run_id,
     }, indent=2, sort_keys=True))
     return sha256
 
@@ -292,16 +310,13 @@ def _strip_prefixes(model_state: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _rank0_says(when: bool, guard: Guard) -> bool:
-    if guard.solo:
+def rank0_says(when: bool, device: torch.device, group: dist.ProcessGroup | None, solo: bool) -> bool:
+    """Rank 0's ``when``, on every rank (one broadcast)."""
+    if solo:
         return when
-    flag = torch.tensor([1 if when else 0], dtype=torch.int64, device=guard.device)
-    dist.broadcast(flag, src=_global_rank0(guard), group=guard.group)
+    flag = torch.tensor([1 if when else 0], dtype=torch.int64, device=device)
+    dist.broadcast(flag, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
     return bool(flag.item())
-
-
-def _global_rank0(guard: Guard) -> int:
-    return 0 if guard.group is None else dist.get_global_rank(guard.group, 0)
 
 
 def _save_atomic(state: dict[str, Any], path: Path) -> None:

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import os
-import time
 import uuid
 import weakref
 from typing import Any, Callable, Sequence
@@ -37,20 +35,16 @@ from . import recovery
 from .checks.audit import Replayer
 from .checks.commhook import GradientRecorder, ReduceHook, record_then_reduce
 from .checks.determinism import check_replayable
-from .checks.exchange import DIGEST_BYTES, Incoming, agree, gather_digests, gather_objects, serialize
-from .checks.nonfinite import gather_norms, judge_nonfinite, nonfinite_local_ranks, sum_votes
-from .checks.reduce_checksum import judge_checksum
-from .checks.replay import PassResult, Payload, replaying, snapshot_buffers
+from .checks.replay import replaying, snapshot_buffers
 from .checks.topology import Topology, gather_topology, identity
-from .checks.verdict import Verdict
-from .checks.weights import WeightCheck, fingerprint_weights, judge_weight_digests
 from .config import Config
-from .contract import spool
-from .contract.alarm import make_alarm
 from .contract.stats import CheckStats
-from .errors import NonFiniteGradient, ReplayError, SDCDetected, UncheckedUpdate
+from .errors import NonFiniteGradient
 from .fingerprint import triton_kernel as fingerprint_triton
+from .gate import UpdateGate
+from .reporting import AlarmReporter
 from .step import Step
+from .verification import Verifier
 
 log = logging.getLogger("sdcguard")
 
@@ -60,7 +54,10 @@ It is called with your model for the real pass and with the bare module for repl
 
 
 class Guard:
-    """sdcguard's checks for one model and its optimizer; one per training process."""
+    """sdcguard's checks for one model and its optimizer; one per training process.
+
+    It wires the parts (the comm hook's recorder, the replayer, the update gate, the verifier,
+    the alarm reporter) and owns the step's lifecycle; each part does one job (docs/design.md)."""
 
     def __init__(
         self,
@@ -92,6 +89,7 @@ class Guard:
                                    else _solo_topology(self.config))
         self.solo = self.topology.world_size == 1
         self.named_parameters = list(self.module.named_parameters())
+        # The parts.
         self.recorder: GradientRecorder | None = None
         if self.ddp is not None:
             self.recorder = GradientRecorder([p for _, p in self.named_parameters], self.group, reduce_hook,
@@ -113,24 +111,18 @@ class Guard:
             # Eager even inside compiled code: it keeps Python state, which dynamo must not trace.
             hook = torch._dynamo.disable(self._remember_buffers) if self.compiled else self._remember_buffers
             self.replayer.module.register_forward_pre_hook(hook)
-        optimizer.register_step_pre_hook(self._refuse_unchecked)
-        optimizer.register_step_post_hook(self._count_update)
-        # Internal state of the step in progress.
-        self._recording: Step | None = None
-        self._current: Step | None = None
-        self._update_allowed = False
-        self._audit_requests: set[int] = set()
-        # Observed state.
-        self.history = recovery.History()
-        """What this run has verified: audits, weights, checkpoints (see ``sdcguard.recovery``)."""
-        self.last_weights_digest: str | None = None
-        self.updates_through: int | None = None
-        """The last step whose update the weights include (a step done with unapplied counts:
-        its weights are the step before's); what a checkpoint written now records as its step."""
-        self.alarms_raised = 0
+        self.gate = UpdateGate(optimizer)
+        """Refuses an update before its step's checks passed; counts the updates the weights hold."""
+        self.stats = CheckStats(self.topology.identities[self.topology.rank], self.config.job)
+        self.verifier = Verifier(recorder=self.recorder, replayer=self.replayer, topology=self.topology,
+                                 group=self.group, device=self.device, named_parameters=self.named_parameters,
+                                 stats=self.stats)
+        self.reporter = AlarmReporter(self.config, self.topology, self.stats, self.group)
+        # The step in progress, while one is.
+        self.recording: Step | None = None
+        """The step whose forward passes run now (the buffers hook records into it)."""
         self.nonfinite_skipped = 0
         """Steps skipped because of a reproduced NaN/Inf (``on_nonfinite="skip"``)."""
-        self.stats = CheckStats(self.topology.identities[self.topology.rank], self.config.job)
         self._closed = False
         atexit.register(_close_at_exit, weakref.ref(self))
         self._log_configuration()
@@ -181,6 +173,17 @@ class Guard:
         every = self.config.weight_check_every
         return every > 0 and step % every == 0
 
+    # -- what the run has verified -------------------------------------------------------------
+
+    @property
+    def history(self) -> recovery.History:
+        """What this run has verified: audits, weights, checkpoints (see ``sdcguard.recovery``)."""
+        return self.verifier.history
+
+    @history.setter
+    def history(self, value: recovery.History) -> None:
+        self.verifier.history = value
+
     @property
     def last_verified_step(self) -> int | None:
         """The last step at which every check ran and passed (see ``recovery.History``)."""
@@ -191,6 +194,19 @@ class Guard:
         return self.history.last_weights_verified_step
 
     @property
+    def last_weights_digest(self) -> str | None:
+        return self.verifier.last_weights_digest
+
+    @property
+    def updates_through(self) -> int | None:
+        """The last step whose update the weights include: what a checkpoint written now records."""
+        return self.gate.updates_through
+
+    @property
+    def alarms_raised(self) -> int:
+        return self.reporter.alarms_raised
+
+    @property
     def checkpoints(self) -> list[tuple[int, str]]:
         """(step, path) of each checkpoint this run wrote or resumed from, oldest first."""
         return [(c.step, c.path) for c in self.history.checkpoints]
@@ -198,7 +214,9 @@ class Guard:
     def check_weights(self, step: int) -> None:
         """Run check 3 now on the weights after ``step``'s update (every rank must call it);
         raise SDCDetected if a replica differs."""
-        self._raise_if(step, self.weights_verdict(step))
+        verdict = self.verifier.weights(step)
+        if verdict is not None:
+            self.reporter.raise_alarm(step, verdict, self.history)
 
     def flush_stats(self) -> None:
         """Write this rank's check statistics to the spool now."""
@@ -230,9 +248,25 @@ class Guard:
         may still name (one file written over and over), that file is kept beside it as
         ``<stem>.sdcguard-step<N><suffix>`` until a newer verified checkpoint covers every window
         (``Config.keep_resume_points``). Returns the path, or None when rank 0 said not to save."""
-        from .checkpoint import save_checkpoint
-        written = save_checkpoint(self, path, step, state, when=when, model_key=model_key)
-        return None if written is None else str(written)
+        from . import checkpoint
+        if not checkpoint.rank0_says(bool(when), self.device, self.group, self.solo):
+            return None
+        if self.alarms_raised:
+            raise checkpoint.CheckpointError(
+                f"refusing to write {path}: this run raised {self.alarms_raised} alarm(s) and its state "
+                "is suspect; resume from the last good checkpoint instead")
+        step = checkpoint.manifest_step(self.updates_through, step, path)
+        self.check_weights(step)  # raises SDCDetected on every rank when a replica differs
+        if state is None:
+            state = {"step": step, model_key: self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                     "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        facts = checkpoint.Facts(
+            step=step, weight_digest=self.last_weights_digest, parameters=[n for n, _ in self.named_parameters],
+            model_key=model_key, history=self.history, replicas=self.topology.world_size, run_id=self.topology.run_id)
+        self.history = checkpoint.save(path, state, facts, keep=self.config.keep_resume_points,
+                                       writer=self.topology.rank == 0, device=self.device,
+                                       group=None if self.solo else self.group)
+        return str(path)
 
     def load_checkpoint(self, path: str | os.PathLike[str], *, model_key: str = "model",
                         expect_step: int | None = None, expect_sha256: str | None = None) -> int:
@@ -242,141 +276,51 @@ class Guard:
         match the manifest — and, with ``expect_step`` / ``expect_sha256`` (the alarm's
         ``last_good_checkpoint_step`` / ``_sha256``), only if it is the checkpoint the alarm
         named; the checkpoint then counts as this run's starting point."""
-        from .checkpoint import load_checkpoint, read_manifest
-        manifest = read_manifest(path, expect_step=expect_step, expect_sha256=expect_sha256)
-        state = load_checkpoint(path, self.module, self.optimizer, self.scaler,
-                                map_location=_param_device(self.module), model_key=model_key,
-                                expect_step=int(manifest["step"]), expect_sha256=manifest["sha256"])
+        from . import checkpoint
+        manifest = checkpoint.read_manifest(path, expect_step=expect_step, expect_sha256=expect_sha256)
+        checkpoint.load_checkpoint(path, self.module, self.optimizer, self.scaler,
+                                   map_location=_param_device(self.module), model_key=model_key,
+                                   expect_step=int(manifest["step"]), expect_sha256=manifest["sha256"])
         step = int(manifest["step"])
-        del state
-        audited = manifest.get("audited_step")
-        earlier = [recovery.Checkpoint(int(c["step"]), str(c["path"]), c.get("audited_step"), c.get("sha256"),
-                                       c.get("kept_from"))
-                   for c in manifest.get("earlier_checkpoints") or []
-                   if _still_holds(c["path"], c["step"], c.get("sha256"))]
-        self.history = recovery.History(
-            last_audited_step=audited, last_weights_verified_step=step,
-            last_reduction_verified_step=manifest.get("reduction_verified_step"),
-            checkpoints=[*earlier, recovery.Checkpoint(step, str(path), audited, manifest["sha256"])])
-        self.last_weights_digest = manifest["weight_digest"]
-        self.updates_through = step
+        self.history = checkpoint.resumed_history(path, manifest)
+        self.verifier.last_weights_digest = manifest["weight_digest"]
+        self.gate.resumed_at(step)
         return step
 
     # -- the phases of a step (called by Step) -------------------------------------------------
 
-    def _begin(self, s: Step) -> None:
-        if self._current is not None:
-            raise RuntimeError(f"sdcguard: step {s.step} begun while step {self._current.step} is still open")
-        self._current = s
-        self._update_allowed = False
+    def begin(self, s: Step) -> None:
+        self.gate.open(s.step)
         if self.recorder is not None:
             self.recorder.begin_step(s.audit, s.step)
         self.stats.last_step = s.step
 
-    def _end(self, s: Step, failed: BaseException | None) -> None:
-        self._current = None
-        self._update_allowed = False
-        if isinstance(failed, NonFiniteGradient):
-            self.updates_through = s.step  # done with, unapplied: the weights are the step before's
+    def verify(self, s: Step) -> None:
+        """Checks 1 and 4 (and 2 and 3 on audit steps) before any update: raise on every rank
+        alike, or let the update through."""
+        outcome = self.verifier.before_update(s.record(), self._scale)
+        if outcome.verdict is not None:
+            self.reporter.raise_alarm(s.step, outcome.verdict, self.history)
+        if outcome.nonfinite is not None:
+            self._nonfinite_reproduced(s, outcome.nonfinite, outcome.confirmed)
+        self.gate.allow()
+
+    def end(self, s: Step, failed: BaseException | None) -> None:
+        # A NaN/Inf refused as the data's is done with, unapplied: the weights are the step before's.
+        self.gate.close(done=failed is None or isinstance(failed, NonFiniteGradient))
         if failed is not None:
             return
         if s.batches and not s.checked:
             raise RuntimeError(f"sdcguard: step {s.step} ended without s.check(): its gradients were never checked")
         if self.is_weight_check_step(s.step):
             self.check_weights(s.step)
-        self.updates_through = s.step  # applied, or skipped by the scaler / on_nonfinite="skip"
         self.stats.last_verified_step = self.history.last_verified_step
         self.stats.steps += 1
         self.stats.flush(self.config.spool)
 
-    def _count_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Optimizer step post-hook: the weights now include this step's update."""
-        if self._current is not None:
-            self.updates_through = self._current.step
-
-    def _refuse_unchecked(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Optimizer step pre-hook: no update without a passing check in the step in progress."""
-        if self._update_allowed:
-            return None
-        if self._current is None:
-            raise UncheckedUpdate("sdcguard: optimizer.step() outside a checked step: run it inside "
-                                  "`with guard.step(step) as s:` after s.check() (or use guard.train_step)")
-        raise UncheckedUpdate(f"sdcguard: optimizer.step() at step {self._current.step} before s.check() "
-                              "passed: the gradients are unchecked, the update is refused")
-
-    # -- the checks ----------------------------------------------------------------------------
-
-    def _check(self, s: Step) -> None:
-        """Checks 1 and 2 (and 3 before the update on audit steps), in SPEC order."""
-        payload = s.payload()
-        if self.solo:
-            self._check_solo(s)
-        elif s.audit:
-            self._audit(s, payload)  # checks 1 and 4, then 2 and 3 agreed on in one all-reduce
-        else:
-            self._check_nonfinite(s, payload)
-
-    def _check_solo(self, s: Step) -> None:
-        """One replica: only the local non-finite check can run, and it cannot be confirmed."""
-        started = time.perf_counter()
-        if self.recorder is not None:
-            finite = bool(torch.isfinite(self.recorder.rows(self.device)).all())
-        else:
-            finite = all(bool(torch.isfinite(p.grad).all()) for _, p in self.named_parameters if p.grad is not None)
-        self.stats.timed("nonfinite", started)
-        if not finite:
-            self._nonfinite_reproduced(s, {0: _first_nonfinite(s.losses)}, confirmed=False)
-
-    def _check_nonfinite(self, s: Step, payload: Payload) -> bool:
-        """Checks 1a, 1b and 4: one all-reduce of two scalars (``reduce_checksum``); the per-rank
-        values are gathered only when it finds something non-finite. Returns whether every
-        gradient was finite (else the step was judged, and raised or will not be applied)."""
-        started = time.perf_counter()
-        x, y = sum_votes(self.recorder.vote(self.device), self.group)  # the common case: 16 bytes
-        self.stats.timed("nonfinite", started)
-        if not (math.isfinite(x) and math.isfinite(y)):
-            if self._reduced_gradients_finite():
-                # Finite gradients whose float32 norm overflowed (elements past ~1e19): a NaN/Inf
-                # anywhere in a local gradient would have reached the reduced one. Nothing to
-                # judge; check 4's bound is unknown for this step, so it does not run.
-                log.warning("sdcguard: step %d: gradient norms overflowed float32; check 4 skipped", s.step)
-                return True
-            self._judge_nonfinite(s, payload, gather_norms(self.recorder.rows(self.device), self.group))
-            return False
-        if self.recorder.checks_reduction:
-            started = time.perf_counter()
-            verdict = judge_checksum(x, y, self.recorder.shape())
-            self.stats.timed("reduce_checksum", started)
-            self._raise_if(s.step, verdict)
-            self.history.last_reduction_verified_step = s.step
-        return True
-
-    def _reduced_gradients_finite(self) -> bool:
-        """Every rank's reduced gradients (now in ``.grad``) checked element by element, agreed."""
-        finite = all(bool(torch.isfinite(p.grad).all()) for _, p in self.named_parameters if p.grad is not None)
-        flag = torch.tensor([1.0 if finite else 0.0], dtype=torch.float64, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item() == 1.0)
-
-    def _judge_nonfinite(self, s: Step, payload: Payload, norms: list[list[float]]) -> bool:
-        """From every rank's ``[local, reduced]`` norms: raise for check 1a (a NaN/Inf that does
-        not reproduce on another node) or 1b; or, when every non-finite local gradient reproduces,
-        treat it as the GradScaler's overflow (the scaler skips) or the data's (raise
-        NonFiniteGradient, or skip). Returns whether the step will not be applied."""
-        bad = nonfinite_local_ranks(norms)
-        if not bad:
-            self._raise_if(s.step, judge_nonfinite(norms))  # 1b, or an overflowed sum of finite norms
-            return False
-        confirmation = self.replayer.confirm_nonfinite(bad, payload, self._scale)
-        self._raise_if(s.step, confirmation.verdict)
-        if self.scaler is not None:
-            s.skipped = True  # an honest overflow: the scaler skips this step
-            return True
-        self._nonfinite_reproduced(s, confirmation.reproduced, confirmed=True)
-        return True
-
     def _nonfinite_reproduced(self, s: Step, ranks: dict[int, int | None], confirmed: bool) -> None:
-        """A NaN/Inf that is the data's or the model's, not the hardware's: never an alarm."""
+        """A NaN/Inf that is the data's or the model's, not the hardware's: never an alarm. With
+        an enabled GradScaler an honest overflow: the scaler skips the step."""
         if self.scaler is not None:
             s.skipped = True
             return
@@ -389,62 +333,6 @@ class Guard:
             p.grad = None
         s.skipped = True
 
-    def _audit(self, s: Step, payload: Payload) -> None:
-        """Checks 1 and 4 as on every step (a NaN step is not replayed), then checks 2 and 3 with
-        one collective besides the batch transfer between ring neighbours: this rank's batch
-        leaves for its replayer with the digest of its own pass, the weights are fingerprinted
-        while it travels (before the replay, as the SPEC says), the neighbour's batch is replayed
-        and compared locally, and one 16-byte all-reduce says whether every rank's weights agree
-        and its replay matched. Only when it says no are the digests gathered and judged —
-        weights, then replays — so that a weight fault is not taken for a compute fault."""
-        step = s.step
-        if not self._check_nonfinite(s, payload):  # checks 1 and 4 first: nothing to replay in a NaN step
-            return
-        started = time.perf_counter()
-        own = PassResult(list(s.loss_fps), self.recorder.fingerprints())
-        own_digest = own.digest()
-        incoming = self.replayer.post_batch(serialize(payload), own_digest)
-        weights_started = time.perf_counter()
-        weights = fingerprint_weights(self.named_parameters)
-        self.stats.timed("weights", weights_started)
-        started += time.perf_counter() - weights_started  # the replay's time leaves the weights' out
-        replayed, failure = self._replay_neighbour(incoming)
-        replay_digest = replayed.digest() if replayed is not None else bytes(DIGEST_BYTES)
-        matched = failure is None and replay_digest == incoming.note
-        if agree(weights.digest, self.device, self.group, veto=not matched):
-            self._weights_verified(step - 1, weights)  # the weights before this step's update
-            self._audited(step)
-            verdict = None
-        else:
-            digests = gather_digests([weights.digest, own_digest, replay_digest], self.device, self.group)
-            self._raise_if(step, self._judge_weights(step - 1, weights, [d[0] for d in digests]))
-            self._raise_if_replays_failed(step, failure)
-            verdict = self.replayer.judge(own, replayed, [d[1:] for d in digests], payload, self._scale)
-            if verdict is None:
-                self._audited(step)
-        self.stats.timed("replay", started)
-        self._raise_if(step, verdict)
-
-    def _audited(self, step: int) -> None:
-        self.history.last_audited_step = step
-
-    def _replay_neighbour(self, incoming: Incoming) -> tuple[PassResult | None, Exception | None]:
-        """Receive and replay the neighbour's batch. An exception is kept, not raised: this rank
-        must still join the agreement (and veto it), or every other rank would wait there."""
-        try:
-            return self.replayer.run(incoming.receive(), self._scale), None
-        except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
-            log.exception("sdcguard: replaying rank %d's batch failed", self.topology.replay_target(self.topology.rank))
-            return None, exc
-
-    def _raise_if_replays_failed(self, step: int, failure: Exception | None) -> None:
-        """Every rank learns which replays failed (this runs only after a vetoed agreement) and
-        raises the same ReplayError."""
-        said = gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}", self.group, self.device)
-        failures = {rank: msg for rank, msg in enumerate(said) if msg is not None}
-        if failures:
-            raise ReplayError(step, failures) from failure
-
     @property
     def _scale(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         return self.scaler.scale if self.scaler is not None else None
@@ -452,76 +340,11 @@ class Guard:
     def _remember_buffers(self, module: torch.nn.Module, args: Any) -> None:
         """Forward pre-hook: the buffers this micro-batch's forward sees (after DDP's broadcast),
         recorded where a replay may need them (audit steps; every step with a GradScaler)."""
-        s = self._recording
+        s = self.recording
         if s is None or replaying() or not (s.audit or self.scaler is not None):
             return
         if len(s.buffers) == len(s.batches):
             s.buffers.append(snapshot_buffers(module))
-
-    def weights_verdict(self, step: int) -> Verdict | None:
-        """Check 3 on the weights after ``step``'s update; on success remember the step and digest."""
-        started = time.perf_counter()
-        mine = fingerprint_weights(self.named_parameters)
-        if self.solo or agree(mine.digest, self.device, self.group):  # the common case: 16 bytes
-            self._weights_verified(step, mine)
-            verdict = None
-        else:
-            digests = [d for [d] in gather_digests([mine.digest], self.device, self.group)]
-            verdict = self._judge_weights(step, mine, digests)
-        self.stats.timed("weights", started)
-        return verdict
-
-    def _judge_weights(self, step: int, mine: WeightCheck, digests: list[bytes]) -> Verdict | None:
-        verdict = judge_weight_digests(mine, digests, self.topology.rank, self.group, self.device)
-        if verdict is None:
-            self._weights_verified(step, mine)
-        return verdict
-
-    def _weights_verified(self, step: int, mine: WeightCheck) -> None:
-        """Every replica held this rank's weights ``mine`` after ``step``'s update."""
-        if self.history.last_weights_verified_step is None or step > self.history.last_weights_verified_step:
-            self.history.last_weights_verified_step = step
-        self.last_weights_digest = mine.digest.hex()
-
-    # -- alarms --------------------------------------------------------------------------------
-
-    def _raise_if(self, step: int, verdict: Verdict | None) -> None:
-        if verdict is not None:
-            raise SDCDetected(alarm=self._publish(step, verdict))
-
-    def _publish(self, step: int, verdict: Verdict) -> dict[str, Any]:
-        """Build the record every rank raises; only the reporter writes it to the spool."""
-        self.alarms_raised += 1
-        topo = self.topology
-        reporter = topo.reporter(verdict.suspects)
-        fields = recovery.recovery_fields(verdict.check, step, self.history)
-        record = make_alarm(
-            alarm_id=f"{topo.run_id}-{self.alarms_raised}-{verdict.check}-step{step}",
-            job=self.config.job,
-            check=verdict.check,
-            step=step,
-            suspect_ranks=verdict.suspects,
-            identities=topo.identities,
-            ambiguous=verdict.ambiguous,
-            reporter_rank=reporter,
-            evidence=verdict.evidence,
-            **fields,
-            **({"drill": True} if self.config.drill else {}),
-        )
-        wait = self.config.publish_wait() if self.config.spool else 0.0
-        if topo.rank == reporter:
-            log.error("sdcguard alarm: %s", SDCDetected(alarm=record))
-            if self.config.spool:
-                spool.write_alarm(self.config.spool, record)
-                if wait and not spool.wait_published(self.config.spool, record["id"], timeout=wait):
-                    log.error("sdcguard: the sidecar has not confirmed alarm %s within %.0f s (%s); it stays in "
-                              "the spool %s and the sidecar keeps trying while the pod terminates",
-                              record["id"], wait, spool.state(self.config.spool, record["id"]), self.config.spool)
-        if wait and not self.solo:
-            dist.barrier(group=self.group)  # no rank leaves (and ends the job) before the reporter's wait
-        self.stats.alarms += 1
-        self.stats.flush(self.config.spool, force=True)
-        return record
 
     def _log_configuration(self) -> None:
         if self.topology.rank != 0:
@@ -554,21 +377,6 @@ def unwrap(model: torch.nn.Module) -> tuple[DistributedDataParallel | None, torc
             compiled, m = True, m._orig_mod
         else:
             return ddp, m, compiled
-
-
-def _still_holds(path: str, step: int, sha256: str | None) -> bool:
-    """Whether ``path`` still holds the checkpoint of ``step`` (a path reused by a later save
-    holds another step now)."""
-    from .checkpoint import CheckpointError, read_manifest
-    try:
-        read_manifest(path, expect_step=step, expect_sha256=sha256)
-        return True
-    except (CheckpointError, OSError, ValueError):
-        return False
-
-
-def _first_nonfinite(losses: list[torch.Tensor]) -> int | None:
-    return next((i for i, loss in enumerate(losses) if not bool(torch.isfinite(loss).all())), None)
 
 
 def _as_micro_batches(batch: Any, micro_batches: Sequence[Any] | None) -> Sequence[Any]:

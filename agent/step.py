@@ -26,6 +26,7 @@ from .checks.determinism import deterministic
 from .checks.replay import Payload, Weighting
 from .checks.rng import forward_seed, seeded
 from .fingerprint import Fingerprint, fingerprint
+from .verification import StepRecord
 
 if TYPE_CHECKING:
     from .guard import Guard
@@ -81,12 +82,12 @@ class Step:
         last = index == self.micro_batches - 1
         sync = contextlib.nullcontext() if last or guard.ddp is None else guard.ddp.no_sync()
         with sync, self._exact():
-            guard._recording = self
+            guard.recording = self
             try:
                 with seeded(forward_seed(guard.config.seed, self.step, guard.topology.rank, index), guard.device):
                     loss = guard.loss_fn(guard.model, micro)
             finally:
-                guard._recording = None
+                guard.recording = None
             scaled = weighting.apply(loss) if weighting is not None else loss
             (guard.scaler.scale(scaled) if guard.scaler is not None else scaled).backward()
         self.batches.append(micro)
@@ -105,9 +106,8 @@ class Step:
             raise RuntimeError(f"sdcguard: step {self.step} was declared with micro_batches={self.micro_batches} "
                                f"but ran {len(self.batches)} backward()")
         with self._exact():
-            self.guard._check(self)
+            self.guard.verify(self)  # raises, or opens the update gate
         self.checked = True
-        self.guard._update_allowed = True
 
     @property
     def loss(self) -> torch.Tensor:
@@ -124,15 +124,19 @@ class Step:
         return Payload(self.step, self.guard.topology.rank, list(self.batches), list(self.buffers),
                        list(self.weighting))
 
+    def record(self) -> StepRecord:
+        """What the checks read of this step."""
+        return StepRecord(self.step, self.audit, self.payload(), list(self.loss_fps), list(self.losses))
+
     # -- the context ---------------------------------------------------------------------------
 
     def __enter__(self) -> Step:
-        self.guard._begin(self)
+        self.guard.begin(self)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         failed = None if exc_type is None else exc if exc is not None else RuntimeError(exc_type)
-        self.guard._end(self, failed=failed)
+        self.guard.end(self, failed=failed)
         return False
 
     @contextlib.contextmanager

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..contract.alarm import CHECK_NONFINITE_LOCAL, CHECK_REPLAY
-from .attribution import NEITHER, attribute, mismatching_pairs, settle, suspects_after
+from .attribution import NEITHER, Attribution, attribute, mismatching_pairs, settle, suspects_after
 from .exchange import Incoming, broadcast_digest, gather_objects, gather_tensor, ring_exchange, ring_post
 from .replay import PassResult, Payload, replay
 from .topology import Topology
@@ -52,27 +52,27 @@ class Replayer:
         return ring_post(blob, own_digest, send_to=topo.replayer_of(me), recv_from=topo.replay_target(me),
                          device=self.device, group=self.group)
 
-    def judge(self, own: PassResult, mine: PassResult, digests: list[list[bytes]], payload: Payload,
-              scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Verdict | None:
+    def verdict(self, own: PassResult, mine: PassResult, digests: list[list[bytes]], payload: Payload,
+                scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Verdict | None:
         """The ring's verdict from every rank's ``[own pass, replay]`` digests; None when every
-        replay matched its original bit for bit. Every rank calls it and reaches the same one."""
-        topo, me = self.topology, self.topology.rank
+        replay matched its original bit for bit. Every rank calls it (the exchanges below are
+        collective) and reaches the same one; the judgement itself is :func:`judge_replays`."""
+        topo = self.topology
         pairs = mismatching_pairs(digests, topo.replay_target)
         if not pairs:
             return None
-        involved = {x for pair in pairs for x in pair}
-        said = gather_objects([own.to_json(), mine.to_json()] if me in involved else None, self.group, self.device)
-        details = [None if d is None else [PassResult.from_json(d[0]), PassResult.from_json(d[1])] for d in said]
+        details = self._exchange_details(own, mine, {x for pair in pairs for x in pair})
         found = attribute(pairs, topo.units)
-        suspects, ambiguous, tiebreaks = set(found.suspects), found.ambiguous, []
-        for replayer, owner in found.tiebreaks:
-            third = topo.replay_target(owner)
-            agrees = settle(digests[owner][0], digests[replayer][1], self._tiebreak(owner, third, payload, scale))
-            suspects |= suspects_after(agrees, replayer, owner)
-            ambiguous |= agrees == NEITHER
-            tiebreaks.append({"replayer": replayer, "owner": owner, "third": third, "agrees_with": agrees})
-        evidence = {"pairs": [self._describe_pair(r, t, details) for r, t in pairs], "tiebreaks": tiebreaks}
-        return Verdict(CHECK_REPLAY, suspects=sorted(suspects), ambiguous=ambiguous, evidence=evidence)
+        thirds = {(replayer, owner): (topo.replay_target(owner),
+                                      self._tiebreak(owner, topo.replay_target(owner), payload, scale))
+                  for replayer, owner in found.tiebreaks}
+        return judge_replays(pairs, found, digests, thirds, details, self.names)
+
+    def _exchange_details(self, own: PassResult, mine: PassResult, involved: set[int]) -> list[Any]:
+        """Per rank ``[own pass, replay]`` (None from the ranks no mismatching pair involves)."""
+        me = self.topology.rank
+        said = gather_objects([own.to_json(), mine.to_json()] if me in involved else None, self.group, self.device)
+        return [None if d is None else [PassResult.from_json(d[0]), PassResult.from_json(d[1])] for d in said]
 
     def _tiebreak(self, owner: int, third: int, payload: Payload,
                   scale: Callable[[torch.Tensor], torch.Tensor] | None) -> bytes:
@@ -82,17 +82,6 @@ class Replayer:
                                recv_from=owner if me == third else None, device=self.device, group=self.group)
         digest = self.run(theirs, scale).digest() if me == third else None
         return broadcast_digest(digest, third, self.device, self.group)
-
-    def _describe_pair(self, replayer: int, owner: int, details: list[Any]) -> dict[str, Any]:
-        original, replayed = details[owner][0], details[replayer][1]
-        differing = [self.names[i] for i in sorted(original.grad_fps)
-                     if original.grad_fps[i] != replayed.grad_fps.get(i)]
-        return {
-            "replayer": replayer, "owner": owner,
-            "loss_bits_owner": [f"{fp.s0:016x}" for fp in original.loss_fps],
-            "loss_bits_replay": [f"{fp.s0:016x}" for fp in replayed.loss_fps],
-            "differing_parameters": parameter_summary(differing),
-        }
 
     # -- non-finite confirmation -----------------------------------------------------------------
 
@@ -114,6 +103,33 @@ class Replayer:
         replayed = {b: parts[topo.replayer_of(b)].tolist() for b in bad}
         return judge_confirmation(bad, {b: (v[0], None if v[1] < 0 else int(v[1])) for b, v in replayed.items()},
                                   {b: topo.replayer_of(b) for b in bad})
+
+
+def judge_replays(pairs: list[tuple[int, int]], found: Attribution, digests: list[list[bytes]],
+                  thirds: dict[tuple[int, int], tuple[int, bytes]], details: list[Any],
+                  names: dict[int, str]) -> Verdict:
+    """Pure: who is named for the mismatching ``(replayer, owner)`` pairs, from the ring's
+    attribution, each tie-break's third opinion (``(replayer, owner) -> (third, its digest)``),
+    and the ``[own pass, replay]`` details of the ranks involved."""
+    suspects, ambiguous, tiebreaks = set(found.suspects), found.ambiguous, []
+    for (replayer, owner), (third, opinion) in thirds.items():
+        agrees = settle(digests[owner][0], digests[replayer][1], opinion)
+        suspects |= suspects_after(agrees, replayer, owner)
+        ambiguous |= agrees == NEITHER
+        tiebreaks.append({"replayer": replayer, "owner": owner, "third": third, "agrees_with": agrees})
+    evidence = {"pairs": [_describe_pair(r, t, details, names) for r, t in pairs], "tiebreaks": tiebreaks}
+    return Verdict(CHECK_REPLAY, suspects=sorted(suspects), ambiguous=ambiguous, evidence=evidence)
+
+
+def _describe_pair(replayer: int, owner: int, details: list[Any], names: dict[int, str]) -> dict[str, Any]:
+    original, replayed = details[owner][0], details[replayer][1]
+    differing = [names[i] for i in sorted(original.grad_fps) if original.grad_fps[i] != replayed.grad_fps.get(i)]
+    return {
+        "replayer": replayer, "owner": owner,
+        "loss_bits_owner": [f"{fp.s0:016x}" for fp in original.loss_fps],
+        "loss_bits_replay": [f"{fp.s0:016x}" for fp in replayed.loss_fps],
+        "differing_parameters": parameter_summary(differing),
+    }
 
 
 @dataclass(frozen=True, slots=True)

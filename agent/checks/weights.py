@@ -37,20 +37,25 @@ def fingerprint_weights(named_parameters: Sequence[tuple[str, torch.Tensor]]) ->
     return WeightCheck(names, fingerprint_many(p for _, p in named_parameters))
 
 
-def judge_weight_digests(mine: WeightCheck, digests: list[bytes], rank: int,
-                         group: dist.ProcessGroup | None = None,
-                         device: torch.device | None = None) -> Verdict | None:
-    """None when every rank's digest agrees; otherwise name the odd replicas, fetching
-    per-parameter fingerprints only from them and from one rank of the majority."""
+def weights_verdict(mine: WeightCheck, digests: list[bytes], rank: int, group: dist.ProcessGroup | None = None,
+                    device: torch.device | None = None) -> Verdict | None:
+    """Collective when the digests differ: None when every rank's digest agrees; otherwise the
+    per-parameter fingerprints are fetched only from the odd replicas and one rank of the
+    majority (:func:`exchange_fingerprints`), and :func:`judge_weights` names the odd ones."""
     if len(set(digests)) == 1:
         return None
+    return judge_weights(digests, exchange_fingerprints(mine, digests, rank, group, device), mine.names)
+
+
+def exchange_fingerprints(mine: WeightCheck, digests: list[bytes], rank: int, group: dist.ProcessGroup | None,
+                          device: torch.device | None) -> list[list[Fingerprint] | None]:
+    """Every rank's per-parameter fingerprints where a judgement needs them, else None."""
     majority = strict_majority(digests)
-    fingerprints: list[list[Fingerprint] | None] = [None] * len(digests)
-    if majority is not None:
-        needed = {r for r, d in enumerate(digests) if d != majority} | {digests.index(majority)}
-        said = gather_objects([list(fp) for fp in mine.fingerprints] if rank in needed else None, group, device)
-        fingerprints = [None if f is None else [Fingerprint(int(a), int(b)) for a, b in f] for f in said]
-    return judge_weights(digests, fingerprints, mine.names)
+    if majority is None:
+        return [None] * len(digests)
+    needed = {r for r, d in enumerate(digests) if d != majority} | {digests.index(majority)}
+    said = gather_objects([list(fp) for fp in mine.fingerprints] if rank in needed else None, group, device)
+    return [None if f is None else [Fingerprint(int(a), int(b)) for a, b in f] for f in said]
 
 
 def strict_majority(digests: list[bytes]) -> bytes | None:

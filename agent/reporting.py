@@ -1,0 +1,74 @@
+"""From a verdict to the alarm every rank raises: the record, the spool, the wait, the barrier.
+
+Every rank builds the same record (the verdict and the history are the same everywhere); only the
+reporting rank (the lowest one not under suspicion) writes it into the spool, where the sidecar
+finds it, and waits — bounded — until the sidecar confirms that the Event exists. Every rank waits
+with it at a barrier, so that no rank ends the job (and its pod, spool and all) first.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.distributed as dist
+
+from . import recovery
+from .checks.topology import Topology
+from .checks.verdict import Verdict
+from .config import Config
+from .contract import spool
+from .contract.alarm import make_alarm
+from .contract.stats import CheckStats
+from .errors import SDCDetected
+
+log = logging.getLogger("sdcguard")
+
+
+class AlarmReporter:
+    """Turns verdicts into published alarm records; counts them."""
+
+    __slots__ = ("config", "topology", "stats", "group", "alarms_raised")
+
+    def __init__(self, config: Config, topology: Topology, stats: CheckStats, group: dist.ProcessGroup | None) -> None:
+        self.config = config
+        self.topology = topology
+        self.stats = stats
+        self.group = group
+        self.alarms_raised = 0
+
+    def raise_alarm(self, step: int, verdict: Verdict, history: recovery.History) -> None:
+        """Report ``verdict`` and raise :class:`SDCDetected` with its record (on every rank)."""
+        raise SDCDetected(alarm=self.report(step, verdict, history))
+
+    def report(self, step: int, verdict: Verdict, history: recovery.History) -> dict[str, Any]:
+        """Build the record every rank raises; the reporter spools it and waits for the sidecar."""
+        self.alarms_raised += 1
+        topo = self.topology
+        reporter = topo.reporter(verdict.suspects)
+        record = make_alarm(
+            alarm_id=f"{topo.run_id}-{self.alarms_raised}-{verdict.check}-step{step}",
+            job=self.config.job,
+            check=verdict.check,
+            step=step,
+            suspect_ranks=verdict.suspects,
+            identities=topo.identities,
+            ambiguous=verdict.ambiguous,
+            reporter_rank=reporter,
+            evidence=verdict.evidence,
+            **recovery.recovery_fields(verdict.check, step, history),
+            **({"drill": True} if self.config.drill else {}),
+        )
+        wait = self.config.publish_wait() if self.config.spool else 0.0
+        if topo.rank == reporter:
+            log.error("sdcguard alarm: %s", SDCDetected(alarm=record))
+            if self.config.spool:
+                spool.write_alarm(self.config.spool, record)
+                if wait and not spool.wait_published(self.config.spool, record["id"], timeout=wait):
+                    log.error("sdcguard: the sidecar has not confirmed alarm %s within %.0f s (%s); it stays in "
+                              "the spool %s and the sidecar keeps trying while the pod terminates",
+                              record["id"], wait, spool.state(self.config.spool, record["id"]), self.config.spool)
+        if wait and topo.world_size > 1:
+            dist.barrier(group=self.group)  # no rank leaves (and ends the job) before the reporter's wait
+        self.stats.alarms += 1
+        self.stats.flush(self.config.spool, force=True)
+        return record
