@@ -1,6 +1,6 @@
 """Settings of the in-pod checks, and the one place that reads them from the environment.
 
-The operator's webhook (SPEC §5) turns a job's ``sdcguard.dev/*`` annotations into the
+The operator's webhook (docs/design.md §5) turns a job's ``sdcguard.dev/*`` annotations into the
 ``SDCGUARD_*`` variables below and adds the downward-API ``POD_NAME`` / ``POD_NAMESPACE`` /
 ``NODE_NAME``; outside Kubernetes the same variables may be set by hand, or arguments given.
 """

@@ -1,4 +1,4 @@
-"""The Guard: sdcguard's checks composed around the user's own training step (SPEC §3 order).
+"""The Guard: sdcguard's checks composed around the user's own training step (docs/design.md §3 order).
 
     guard = sdcguard.Guard(model, optimizer, loss_fn)
     for step, batches in enumerate(loader):

@@ -165,7 +165,7 @@ def after_save(history: History, plan: SavePlan, saved: Checkpoint, kept_as: str
 
 
 def recovery_fields(check: str, step: int, history: History) -> dict[str, object]:
-    """The alarm record's recovery fields (SPEC §3; the v1 additive ones included)."""
+    """The alarm record's recovery fields (docs/design.md §3; the v1 additive ones included)."""
     window = suspect_window(check, step, history)
     good = last_good_checkpoint(window, history)
     return {

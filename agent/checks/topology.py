@@ -41,7 +41,7 @@ class Topology:
         return self.nodes if self.nodes >= 2 else self.world_size
 
     def replay_target(self, rank: int) -> int:
-        """The rank whose batch ``rank`` replays: same local index, next node (SPEC §3)."""
+        """The rank whose batch ``rank`` replays: same local index, next node (docs/design.md §3)."""
         return (rank + self.ring_offset) % self.world_size
 
     def replayer_of(self, rank: int) -> int:

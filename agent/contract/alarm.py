@@ -1,4 +1,4 @@
-"""The alarm record, schema ``sdcguard.dev/alarm/v1`` (SPEC §3): built, validated, serialised.
+"""The alarm record, schema ``sdcguard.dev/alarm/v1`` (docs/design.md §3): built, validated, serialised.
 
 One schema shared by the library (which writes records), the sidecar (which publishes them) and
 the operator (which acts on them). Standard library only: the sidecar and the operator never
@@ -18,7 +18,6 @@ CHECK_NONFINITE_REDUCED = "nonfinite-reduced"
 CHECK_REPLAY = "replay"
 CHECK_WEIGHTS = "weights"
 CHECK_REDUCE_CHECKSUM = "reduce-checksum"
-CHECKS = (CHECK_NONFINITE_LOCAL, CHECK_NONFINITE_REDUCED, CHECK_REPLAY, CHECK_WEIGHTS, CHECK_REDUCE_CHECKSUM)
 
 REQUIRED_FIELDS = (
     "schema", "id", "time", "job", "check", "step", "suspect_ranks", "suspects", "ambiguous",

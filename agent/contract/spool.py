@@ -1,6 +1,6 @@
 """The spool: a directory where the training process leaves alarm records for the sidecar.
 
-The training process never talks to the Kubernetes API (SPEC §4). It writes each record
+The training process never talks to the Kubernetes API (docs/design.md §4). It writes each record
 atomically — a temporary file in the same directory, fsync, then rename — so the sidecar only
 ever sees whole records. Standard library only.
 

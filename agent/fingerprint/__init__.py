@@ -1,6 +1,6 @@
 """Tensor fingerprints: two exact integer sums that any device and any reduction order agree on.
 
-Definition (SPEC §3, fixed): view the tensor's bytes as integers of the element's width (1 byte
+Definition (docs/design.md §3, fixed): view the tensor's bytes as integers of the element's width (1 byte
 unsigned; 2, 4, 8 bytes signed), widen each to int64 and return, modulo 2**64,
 
     s0 = sum(b_i)            s1 = sum(b_i * (i + 1))
@@ -48,7 +48,7 @@ class Fingerprint(NamedTuple):
 
 def fingerprint(tensor: torch.Tensor, *, chunk_elements: int | None = None,
                 backend: str = "auto") -> Fingerprint:
-    """Fingerprint ``tensor`` per the SPEC §3 definition, on the tensor's own device."""
+    """Fingerprint ``tensor`` per the docs/design.md §3 definition, on the tensor's own device."""
     return to_fingerprints(fingerprint_sums([tensor], chunk_elements=chunk_elements, backend=backend))[0]
 
 
