@@ -109,8 +109,13 @@ def test_webhook_configuration_matches_the_server_and_never_blocks_pods(rendered
     assert hook["failurePolicy"] == "Ignore" and hook["sideEffects"] == "None"
     assert hook["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"],
                               "operations": ["CREATE"], "scope": "Namespaced"}]
-    assert hook["objectSelector"]["matchExpressions"] == [{"key": names.JOB_NAME_LABEL, "operator": "Exists"}]
+    # every pod (issue 20, 4: any pod could mount a key Secret), of the namespaces served only
+    assert "objectSelector" not in hook
     assert "sdcguard" in hook["namespaceSelector"]["matchExpressions"][0]["values"]
+    assert len(hook["namespaceSelector"]["matchExpressions"]) == 1  # namespaces [] = all
+    [scoped] = by_kind(rendered["irsa-cert-manager-monitors"], "MutatingWebhookConfiguration")
+    assert scoped["webhooks"][0]["namespaceSelector"]["matchExpressions"][1] == {
+        "key": "kubernetes.io/metadata.name", "operator": "In", "values": ["ml", "research"]}
     svc_ref = hook["clientConfig"]["service"]
     assert svc_ref["path"] == f"/{webhook.HANDLER_ID}"  # kopf serves the handler at its id
     [service] = by_kind(docs, "Service")
@@ -168,10 +173,20 @@ def test_nodereplacement_webhook_fails_closed_on_the_main_resource_only(rendered
     assert env["SDCGUARD_REQUIRE_SIGNED_ALARMS"] == "false"
 
 
-def test_alarm_keys_are_readable_only_where_alarms_are_accepted(rendered: dict[str, Any]) -> None:
+def test_alarm_keys_are_written_only_where_alarms_are_accepted_and_no_secret_is_read(rendered: dict[str, Any]) -> None:
+    """Issue 20, 6: with namespaces [] (the default) the operator could read every Secret in the
+    cluster. Now it derives each job's key from its master key: it writes key Secrets in the
+    namespaces served and reads no Secret but its master key, in its own namespace."""
     everywhere = rendered["default"]
     keys = [r for r in by_kind(everywhere, "ClusterRole") if r["metadata"]["name"] == "sdcguard-alarm-keys"]
-    assert [_granted(r) for r in keys] == [{("", "secrets", "get"), ("", "secrets", "create")}]
+    assert [_granted(r) for r in keys] == [{("", "secrets", "create"), ("", "secrets", "patch"),
+                                            ("", "configmaps", "get"), ("", "configmaps", "create"),
+                                            ("", "configmaps", "patch")}]
+    for docs in rendered.values():
+        for role in by_kind(docs, "ClusterRole") + by_kind(docs, "Role"):
+            for rule in role["rules"]:
+                if "secrets" in rule["resources"] and {"get", "list", "watch"} & set(rule["verbs"]):
+                    assert role["kind"] == "Role" and rule.get("resourceNames") == ["sdcguard-master-key"], role
     [binding] = [b for b in by_kind(everywhere, "ClusterRoleBinding") if b["roleRef"]["name"] == "sdcguard-alarm-keys"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "sdcguard", "namespace": "sdcguard"}]
     key_bindings = lambda docs: [b for b in by_kind(docs, "RoleBinding")  # noqa: E731
@@ -184,7 +199,7 @@ def test_alarm_keys_are_readable_only_where_alarms_are_accepted(rendered: dict[s
     assert all(b["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                                 "name": "sdcguard-alarm-keys"} for b in bindings)
     assert not any(("", "secrets", v) in _granted(r) for r in by_kind(everywhere, "ClusterRole")
-                   if r["metadata"]["name"] != "sdcguard-alarm-keys" for v in ("get", "list", "watch", "create"))
+                   if r["metadata"]["name"] != "sdcguard-alarm-keys" for v in ("get", "list", "watch", "create", "patch"))
 
 
 def test_self_signed_certificate_is_valid_for_the_service_and_matches_the_ca_bundle(rendered: dict[str, Any]) -> None:
