@@ -5,12 +5,14 @@ every replica serves the webhooks (pod mutation, NodeReplacement admission) and 
 endpoint from one kopf instance at once, while the handlers run in a second kopf instance only
 once this replica holds the Lease (:mod:`.leader`).  ``--no-leader-election`` (or the variable set
 to false) is ``kopf run -m sdcguard_operator --standalone``: one replica only.  Namespaces default
-to SDCGUARD_NAMESPACES (all namespaces when empty).
+to SDCGUARD_NAMESPACES (all namespaces when empty); as everywhere in ``sdcguard``, an explicit flag
+beats the environment, which beats the default.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 
@@ -29,11 +31,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="act without a Lease (one replica only; same as SDCGUARD_LEADER_ELECTION=false)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        settings = Settings.from_env()
+        settings = settings_for(args.namespace)
     except ValueError as exc:
         print(f"sdcguard operator: error: {exc}", file=sys.stderr)
         return 2
-    namespaces = args.namespace or list(settings.namespaces)
+    namespaces = list(settings.namespaces)
     if settings.leader_election and not args.no_leader_election:
         return run_elected(settings, namespaces, args.liveness, args.log_format,
                            dict(verbose=args.verbose, debug=args.debug, quiet=args.quiet))
@@ -50,6 +52,21 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     return 0
+
+
+def settings_for(namespace_flags: list[str], env: "os._Environ[str] | None" = None) -> Settings:
+    """The settings, an explicit flag over the environment over the default: ``--namespace`` (each
+    one given) replaces SDCGUARD_NAMESPACES for everything the operator does (the namespaces kopf
+    watches and those whose alarms intake accepts), also for the handlers' settings, which were
+    read when the package was imported."""
+    env = os.environ if env is None else env
+    if namespace_flags:
+        env["SDCGUARD_NAMESPACES"] = ",".join(namespace_flags)
+    settings = Settings.from_env(env)
+    from . import handlers
+
+    handlers.SETTINGS = settings
+    return settings
 
 
 def run_elected(settings: Settings, namespaces: list[str], liveness: str | None, log_format: str,

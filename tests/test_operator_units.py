@@ -101,7 +101,7 @@ def test_recovery_plan_comes_from_the_alarm_and_is_null_where_an_older_record_is
             "alarm": {"last_good_checkpoint_step": 19, "steps_at_risk": 21, "last_audited_step": 30,
                       "last_weights_verified_step": 38}}
     assert incident.recovery(spec) == {
-        "resumeFrom": "s3://ckpt/step-19.pt", "resumeFromStep": 19, "stepsAtRisk": 21,
+        "resumeFrom": "s3://ckpt/step-19.pt", "resumeFromStep": 19, "resumeFromSha256": None, "stepsAtRisk": 21,
         "suspectWindow": {"firstStep": 31, "lastStep": 40, "range": "31-40"},
         "lastAuditedStep": 30, "lastWeightsVerifiedStep": 38}
     assert incident.resume_text(incident.recovery(spec)) == "s3://ckpt/step-19.pt (step 19)"
@@ -111,7 +111,7 @@ def test_recovery_plan_comes_from_the_alarm_and_is_null_where_an_older_record_is
     # an older record: nothing is guessed; values of the wrong type are dropped (the CRD wants integers)
     old = incident.recovery({"step": 7, "lastGoodCheckpoint": None, "suspectWindow": {"firstStep": 7},
                              "alarm": {"steps_at_risk": "many", "last_audited_step": True}})
-    assert old == {"resumeFrom": None, "resumeFromStep": None, "stepsAtRisk": None, "lastAuditedStep": None,
+    assert old == {"resumeFrom": None, "resumeFromStep": None, "resumeFromSha256": None, "stepsAtRisk": None, "lastAuditedStep": None,
                    "lastWeightsVerifiedStep": None, "suspectWindow": {"firstStep": 7, "lastStep": None, "range": "7-?"}}
     assert incident.resume_text(old) == "no verified checkpoint"
 
@@ -167,3 +167,67 @@ def test_settings_refuse_a_renew_deadline_not_shorter_than_the_lease() -> None:
     with _pytest.raises(ValueError, match="SDCGUARD_RENEW_SECONDS"):
         Settings.from_env({"SDCGUARD_LEASE_SECONDS": "5", "SDCGUARD_RENEW_SECONDS": "5"})
     assert Settings.from_env({}).aws_call_seconds == 30.0
+
+
+def test_an_explicit_flag_beats_the_environment_which_beats_the_default(monkeypatch):
+    """Issue 19: every sdcguard command, flag > environment > default; the operator's --namespace
+    also reaches the handlers' settings (intake accepts exactly the namespaces kopf watches)."""
+    from sdcguard.sidecar import publisher
+    from sdcguard_operator import handlers
+
+    env = {"SDCGUARD_NAMESPACES": "from-env"}
+    assert cli.settings_for([], dict(env)).namespaces == ("from-env",)
+    assert cli.settings_for(["a", "b"], dict(env)).namespaces == ("a", "b")
+    assert handlers.SETTINGS.namespaces == ("a", "b")
+    assert cli.settings_for([], {}).namespaces == ()
+    monkeypatch.delenv("SDCGUARD_SPOOL", raising=False)
+    assert publisher.build_parser().parse_args([]).spool == "/var/run/sdcguard"
+    monkeypatch.setenv("SDCGUARD_SPOOL", "/from-env")
+    assert publisher.build_parser().parse_args([]).spool == "/from-env"
+    assert publisher.build_parser().parse_args(["--spool", "/from-flag"]).spool == "/from-flag"
+    monkeypatch.setenv("SDCGUARD_ALARM_KEY_FILE", "/env/key")
+    assert publisher.build_parser().parse_args(["--key-file", "/flag/key"]).key_file == "/flag/key"
+
+
+def test_storm_guard_limits_per_job_and_per_namespace_beside_the_cluster_wide_one():
+    from sdcguard_operator import contain
+
+    s = Settings.from_env({"SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES": "4", "SDCGUARD_MAX_SUSPECT_NODES_PER_JOB": "1",
+                           "SDCGUARD_MAX_SUSPECT_NODES_PER_NAMESPACE": "2"})
+    taken = {"n1": contain.slot_value("a/x-replay-1", "x")}
+    assert contain.full(taken, "a", "x", s) == "MaxSuspectNodesPerJob"
+    assert contain.full(taken, "a", "y", s) is None
+    taken["n2"] = contain.slot_value("a/y-replay-1", "y")
+    assert contain.full(taken, "a", "z", s) == "MaxSuspectNodesPerNamespace"
+    assert contain.full(taken, "b", "x", s) is None  # the same job name elsewhere is another job
+    taken.update({"n3": "", "n4": "c/old-ref"})  # a labelled node without a slot; an older operator's value
+    assert contain.full(taken, "b", "x", s) == "MaxConcurrentSuspectNodes"
+    defaults = Settings.from_env({"SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES": "7"})
+    assert (defaults.max_suspect_nodes_per_job, defaults.max_suspect_nodes_per_namespace) == (7, 7)
+
+
+def test_alarm_freshness_and_derived_keys():
+    import time as _time
+
+    from sdcguard_operator import master_key, validate
+
+    s = Settings.from_env({"SDCGUARD_MAX_ALARM_AGE_SECONDS": "60", "SDCGUARD_CLOCK_SKEW_SECONDS": "5"})
+    now = 2_000_000_000.0
+    stamp = lambda t: _time.strftime("%Y-%m-%dT%H:%M:%S.000Z", _time.gmtime(t))  # noqa: E731
+    assert validate.check_fresh({"time": stamp(now - 30)}, s, now) == now - 30
+    for t in (now - 61, now + 6):
+        with pytest.raises(validate.Rejected) as refused:
+            validate.check_fresh({"time": stamp(t)}, s, now)
+        assert refused.value.reason == "StaleAlarm"
+    master_key._cached["key"] = b"m" * 32  # (the key a real operator reads from its Secret)
+    try:
+        one = master_key.job_key(s, "ml", "llm", "uid-1")
+        assert len(one) == 32 and one == master_key.job_key(s, "ml", "llm", "uid-1")
+        assert len({one, master_key.job_key(s, "ml", "llm", "uid-2"), master_key.job_key(s, "ml2", "llm", "uid-1"),
+                    master_key.job_key(s, "ml", "llm2", "uid-1")}) == 4
+        seal = master_key.seal(s, "NodeReplacement", "n", "i-1")
+        assert master_key.sealed(s, seal, "NodeReplacement", "n", "i-1")
+        assert not master_key.sealed(s, seal, "NodeReplacement", "n", "i-2") and not master_key.sealed(
+            s, None, "NodeReplacement", "n", "i-1")
+    finally:
+        master_key._cached.clear()
