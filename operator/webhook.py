@@ -65,6 +65,9 @@ class SidecarSettings:
     cpu_request: str = "10m"
     memory_request: str = "48Mi"
     memory_limit: str = "128Mi"
+    job_controllers: tuple[str, ...] = ()
+    """SDCGUARD_JOB_CONTROLLER_USERS: users allowed to create the pods that get the sidecar (the
+    training operator's service account); empty: not checked (the ownerReference decides)."""
     grace_seconds: int = 90
     """The pod's terminationGracePeriodSeconds is raised to at least this (never lowered): the
     training process waits up to 30 s for the sidecar to confirm an alarm, and the sidecar then
@@ -80,6 +83,9 @@ class SidecarSettings:
             values["metrics_port"] = int(env["SDCGUARD_SIDECAR_METRICS_PORT"])
         if env.get("SDCGUARD_SIDECAR_GRACE_SECONDS"):
             values["grace_seconds"] = int(env["SDCGUARD_SIDECAR_GRACE_SECONDS"])
+        if env.get("SDCGUARD_JOB_CONTROLLER_USERS"):
+            values["job_controllers"] = tuple(u.strip() for u in env["SDCGUARD_JOB_CONTROLLER_USERS"].split(",")
+                                              if u.strip())
         return cls(**values)
 
 
@@ -153,14 +159,18 @@ def inject(pod: dict[str, Any], *, how: Plan, sidecar: SidecarSettings) -> None:
 
 
 def mutated(pod: Mapping[str, Any], job_annotations: Mapping[str, str] | None,
-            sidecar: SidecarSettings, job_uid: str | None = None) -> tuple[dict[str, Any] | None, list[str]]:
+            sidecar: SidecarSettings, job_uid: str | None = None,
+            creator: str | None = None) -> tuple[dict[str, Any] | None, list[str]]:
     """The pure whole: the mutated copy of ``pod`` (None: leave it alone) and the warnings.
 
     Every pod first loses each reference to an alarm-key Secret outside the sidecar
     (:func:`strip_key_references`). The sidecar goes only into a pod whose controlling
     ownerReference is the live PyTorchJob named by its job-name label (``job_uid``, read by the
     webhook; None when the job could not be read): no owner, another owner, or another uid, and the
-    pod gets no sidecar and so no key (SPEC §9)."""
+    pod gets no sidecar and so no key (SPEC §9). With ``SidecarSettings.job_controllers`` set, the
+    pod must also be created by one of those users (the training operator's service account, as
+    the API server authenticated the request: ``creator``): an ownerReference can be written by
+    anyone who may create pods and read the job's uid."""
     result = copy.deepcopy(dict(pod))
     warnings = strip_key_references(result)
     changed = result != pod
@@ -173,6 +183,10 @@ def mutated(pod: Mapping[str, Any], job_annotations: Mapping[str, str] | None,
         warnings.append(f"sdcguard: pod is not controlled by {names.JOB_KIND} {job_name}"
                         + (f" (uid {job_uid})" if job_uid else " (the job could not be read)")
                         + "; no sidecar: only the job's own pods may sign its alarms")
+        how = None
+    if how is not None and sidecar.job_controllers and creator not in sidecar.job_controllers:
+        warnings.append(f"sdcguard: pod created by {creator!r}, not by the job controller "
+                        f"({', '.join(sidecar.job_controllers)}); no sidecar")
         how = None
     if how is None:
         return (result if changed else None), warnings
@@ -424,7 +438,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 async def mutate_pod(body: kopf.Body, patch: kopf.Patch, warnings: list[str], logger: logging.Logger,
-                     **_: Any) -> None:
+                     userinfo: Mapping[str, Any] | None = None, **_: Any) -> None:
     """Admission of a pod of a Kubeflow job: look the job up, then let :func:`mutated` decide."""
     pod = dict(body)
     name = body.metadata.labels.get(names.JOB_NAME_LABEL, "")
@@ -441,7 +455,7 @@ async def mutate_pod(body: kopf.Body, patch: kopf.Patch, warnings: list[str], lo
     if problem:
         logger.warning(f"sdcguard: {problem}; no sidecar")
         warnings.append(f"sdcguard: {problem}; no sidecar")
-    result, notes = mutated(pod, annotations, _runtime.sidecar, uid)
+    result, notes = mutated(pod, annotations, _runtime.sidecar, uid, str((userinfo or {}).get("username") or ""))
     warnings.extend(notes)
     if result is not None:
         patch.fns.append(functools.partial(_become, result))  # kopf diffs it into a JSONPatch

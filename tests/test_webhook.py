@@ -400,3 +400,20 @@ def test_missing_kube_configuration_is_a_failed_lookup_not_a_failed_start(
     jobs = webhook.JobAnnotations(webhook.kubernetes_fetch(timeout=1.0))  # must not raise
     annotations, problem = asyncio.run(jobs.get("ml", "llm"))
     assert annotations is None and "could not read PyTorchJob ml/llm" in (problem or "")
+
+
+def test_with_job_controllers_set_only_their_pods_get_the_sidecar() -> None:
+    """Residual of attack 1: an ownerReference is written by whoever creates the pod; anyone who
+    may create pods and read the job's uid could forge the job's. With the job controller's user
+    configured (SDCGUARD_JOB_CONTROLLER_USERS, chart webhook.jobControllerUsers), the pod must also
+    be created by it, as the API server authenticated the request."""
+    controller = "system:serviceaccount:kubeflow:training-operator"
+    settings = webhook.SidecarSettings(image=IMAGE, job_controllers=(controller,))
+    assert webhook.SidecarSettings.from_env({"SDCGUARD_JOB_CONTROLLER_USERS": f"{controller}, other"}).job_controllers \
+        == (controller, "other")
+    pod = job_pod("llm", 21)
+    uid = pod["metadata"]["ownerReferences"][0]["uid"]
+    out, warnings = webhook.mutated(pod, {"sdcguard.dev/enabled": "true"}, settings, uid, controller)
+    assert out is not None and warnings == []
+    forged, warnings = webhook.mutated(pod, {"sdcguard.dev/enabled": "true"}, settings, uid, "mallory")
+    assert forged is None and "not by the job controller" in warnings[0]
