@@ -1,17 +1,26 @@
-"""The pod mutating webhook (SPEC §5): wire sdcguard into the pods of an annotated PyTorchJob.
+"""The pod mutating webhook (SPEC §5, §9): wire sdcguard into the pods of an annotated PyTorchJob.
 
 A pod created by the training operator carries the label ``training.kubeflow.org/job-name`` but
-not its job's annotations, so the webhook reads them from the PyTorchJob itself through the API
-(a GET with a 2-second timeout, cached for 30 s because a job's pods arrive in a burst). It fails
-open: when the job cannot be read, the pod is admitted unchanged with a warning — the webhook
-never blocks pod creation, and its ``MutatingWebhookConfiguration`` says ``failurePolicy: Ignore``
-for when it is down. ``sdcguard.dev/*`` annotations on the pod itself (from the replica's pod
-template) are honoured too and win over the job's, which also covers a failed lookup.
+not its job's annotations, so the webhook reads the PyTorchJob itself through the API (a GET with a
+2-second timeout, cached for 30 s because a job's pods arrive in a burst; a pod naming another uid
+than the cached one reads it again). It fails open: when the job cannot be read, the pod is
+admitted unchanged with a warning — the webhook never blocks pod creation, and its
+``MutatingWebhookConfiguration`` says ``failurePolicy: Ignore`` for when it is down.
+``sdcguard.dev/*`` annotations on the pod itself (from the replica's pod template) are honoured
+too and win over the job's.
+
+The tenant boundary (SPEC §9): only a pod whose controlling ownerReference is the live enabled
+PyTorchJob (same name and uid) gets the sidecar — and with it the job's key; a pod with no owner,
+another owner or a stale uid gets nothing (and, with ``SDCGUARD_JOB_CONTROLLER_USERS``, only pods
+the training operator's user created). Every pod, enabled or not, loses each reference to an
+alarm-key Secret outside the sidecar: secret and projected volumes of any name, ``env`` secret
+refs, ``envFrom``.
 
 An enabled pod gets: the ``sdcguard-sidecar`` container (a native sidecar: an init container with
 ``restartPolicy: Always``, so it stops when training ends and the pod can complete), the spool
 ``emptyDir`` mounted in every container, the downward-API ``POD_NAME`` / ``POD_NAMESPACE`` /
-``NODE_NAME``, the job identity (``SDCGUARD_JOB_NAME`` / ``SDCGUARD_JOB_KIND``), and
+``NODE_NAME`` / ``POD_UID``, the job identity (``SDCGUARD_JOB_NAME`` / ``SDCGUARD_JOB_KIND`` /
+``SDCGUARD_JOB_UID``: the library signs the uids into every alarm), and
 ``SDCGUARD_AUDIT_EVERY`` / ``SDCGUARD_WEIGHT_CHECK_EVERY`` from the annotations, a
 ``terminationGracePeriodSeconds`` of at least ``SDCGUARD_SIDECAR_GRACE_SECONDS`` (90; passed to
 the sidecar as ``--grace-period``, so it keeps publishing while the pod ends), and — in the
