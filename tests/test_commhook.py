@@ -1,28 +1,55 @@
-"""The comm hook's squared norm (checks 1a/1b): every gradient dtype, and where it overflows."""
-import math
-
+"""The comm hook (sdcguard.checks.commhook) in one gloo process: DDP with the hook computes the
+same gradient bits as without it, and the recorder holds what the checks read — the local and
+reduced squared norms, check 4's vote, and on audit steps each parameter's fingerprint."""
 import pytest
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
+from sdcguard.checks.commhook import GradientRecorder, record_then_reduce
 from sdcguard.checks.norms import squared_norm
+from sdcguard.fingerprint import fingerprint
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16,
-                                   torch.complex64], ids=str)
-def test_squared_norm_of_every_gradient_dtype(dtype):
-    values = [3 + 4j, 0j] if dtype.is_complex else [3.0, 4.0]
-    result = squared_norm(torch.tensor(values, dtype=dtype))
-    assert result.dtype == torch.float64 and float(result) == 25.0
+@pytest.fixture
+def group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
-def test_non_contiguous_and_non_finite():
-    assert float(squared_norm(torch.ones(4, 3).t())) == 12.0
-    assert math.isnan(float(squared_norm(torch.tensor([1.0, float("nan")]))))
-    assert math.isinf(float(squared_norm(torch.tensor([1.0, float("inf")]))))
+def grads(hooked: bool, audit: bool = False):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    ddp = DDP(model)
+    recorder = None
+    if hooked:
+        recorder = GradientRecorder(list(model.parameters()))
+        ddp.register_comm_hook(recorder, record_then_reduce)
+        recorder.begin_step(audit, 0)
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+    ddp(x).square().mean().backward()
+    return [p.grad.clone() for p in model.parameters()], recorder
 
 
-def test_float32_accumulation_overflows_where_documented():
-    # A finite float32 gradient with norm past ~1.8e19 reads as Inf (documented limit)...
-    assert math.isinf(float(squared_norm(torch.tensor([2e19, 0.0]))))
-    # ...and float64 gradients keep float64's range.
-    assert float(squared_norm(torch.tensor([2e19, 0.0], dtype=torch.float64))) == pytest.approx(4e38)
+def test_the_hook_changes_no_gradient_bit(group):
+    plain, _ = grads(hooked=False)
+    hooked, recorder = grads(hooked=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, hooked))
+    assert recorder.local and recorder.local.keys() == recorder.reduced.keys()
+
+
+def test_the_recorder_holds_what_the_checks_read(group):
+    hooked, recorder = grads(hooked=True, audit=True)
+    local, reduced = recorder.rows(torch.device("cpu")).tolist()
+    expected = sum(float(squared_norm(g)) for g in hooked)
+    assert local == pytest.approx(expected, rel=1e-6) and reduced == pytest.approx(expected, rel=1e-6)
+    x, y = recorder.vote(torch.device("cpu")).tolist()
+    assert abs(x) <= y  # one rank: the local and reduced checksums agree within the bound
+    assert recorder.fingerprints() == {i: fingerprint(g) for i, g in enumerate(hooked)}
+    assert recorder.checks_reduction  # DDP's own mean: check 4 runs
+
+
+def test_no_fingerprints_off_audit_steps(group):
+    _, recorder = grads(hooked=True, audit=False)
+    assert recorder.fingerprints() == {}

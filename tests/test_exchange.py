@@ -3,7 +3,7 @@
 Before: replay payloads were unpickled with ``torch.load(weights_only=False)`` and details with
 ``all_gather_object``, so any process that could reach the job's gloo / rendezvous ports ran code
 in every rank it exchanged with. Now a batch is loaded with torch's restricted loader and the
-details travel as JSON; the collectives themselves run in tests/test_library.py and the drills."""
+details travel as JSON; the collectives themselves run in tests/test_guard.py and the drills."""
 import io
 import pickle
 

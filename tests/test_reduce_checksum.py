@@ -3,7 +3,7 @@ exceed it, corruptions above the documented threshold do (sdcguard.checks.reduce
 
 The all-reduce is simulated as DDP's mean does it — each rank's bucket scaled by fl(1/W) in the
 element type, then the W terms added in the element type in a random order per trial — so every
-rounding the bound must cover happens. tests/library_worker.py repeats this over real gloo."""
+rounding the bound must cover happens. tests/guard_worker.py repeats this over real gloo."""
 import math
 
 import pytest

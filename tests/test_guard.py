@@ -1,5 +1,5 @@
 """The library under torchrun (3 gloo ranks): a run under sdcguard is bit-identical to the same run
-without it, GradScaler overflows are told from SDC, checkpoints are verified. See library_worker."""
+without it, GradScaler overflows are told from SDC, checkpoints are verified. See guard_worker."""
 import json
 import os
 import shutil
@@ -22,7 +22,7 @@ def run(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
-         str(HERE / "library_worker.py"), str(out)],
+         str(HERE / "guard_worker.py"), str(out)],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -83,17 +83,17 @@ def _copy(run, tmp_path):
 
 
 def test_tampered_checkpoint_is_refused(run, tmp_path):
-    import library_worker  # noqa: E402  (tests/ is on sys.path under pytest)
+    import guard_worker  # noqa: E402  (tests/ is on sys.path under pytest)
     path = _copy(run, tmp_path)
     state = torch.load(path, weights_only=False)
     state["model"]["out.weight"][0, 0] += 1e-3
     torch.save(state, path)
     with pytest.raises(CheckpointError, match="modified after it was verified"):
-        load_checkpoint(path, library_worker.Net())
+        load_checkpoint(path, guard_worker.Net())
 
 
 def test_checkpoint_whose_weights_disagree_with_the_manifest_is_refused(run, tmp_path):
-    import library_worker
+    import guard_worker
     path = _copy(run, tmp_path)
     manifest = json.loads(manifest_path(path).read_text())
     state = torch.load(path, weights_only=False)
@@ -102,15 +102,15 @@ def test_checkpoint_whose_weights_disagree_with_the_manifest_is_refused(run, tmp
     manifest["sha256"] = __import__("hashlib").sha256(path.read_bytes()).hexdigest()  # a forged manifest
     manifest_path(path).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="loaded weights have digest"):
-        load_checkpoint(path, library_worker.Net())
+        load_checkpoint(path, guard_worker.Net())
 
 
 def test_checkpoint_without_manifest_is_refused(run, tmp_path):
-    import library_worker
+    import guard_worker
     path = _copy(run, tmp_path)
     manifest_path(path).unlink()
     with pytest.raises(CheckpointError, match="has no manifest"):
-        load_checkpoint(path, library_worker.Net())
+        load_checkpoint(path, guard_worker.Net())
 
 
 def test_finite_norms_whose_squares_would_overflow_a_sum_raise_no_alarm(run):

@@ -1,4 +1,4 @@
-"""One rank of the library test, launched by tests/test_library.py under torchrun (3 ranks, gloo).
+"""One rank of the library test, launched by tests/test_guard.py under torchrun (3 ranks, gloo).
 
 Six scenarios share one launch, each writing what it saw to OUT/<scenario>-rank<r>.json:
   clean      plain DDP vs the same run under sdcguard (audit and weight check on every step,
