@@ -195,3 +195,8 @@ def check_pod(pod: Any, identity: dict[str, Any], job: dict[str, Any], job_uid: 
     if created is not None and at < created.timestamp() - settings.clock_skew_seconds:
         raise Rejected("StaleAlarm", f"the alarm ({at:.0f}) is older than pod {pod_name} "
                        f"(created {created.isoformat()}): it cannot be about this pod")
+    deleted = pod.metadata.deletion_timestamp
+    if deleted is not None and at > deleted.timestamp() + settings.clock_skew_seconds:
+        # (the deletion timestamp is when the grace period ends: no container of the pod runs after it)
+        raise Rejected("StaleAlarm", f"the alarm ({at:.0f}) is newer than the end of pod {pod_name} "
+                       f"(deleted at {deleted.isoformat()}): it cannot be about this pod")

@@ -231,3 +231,35 @@ def test_alarm_freshness_and_derived_keys():
             s, None, "NodeReplacement", "n", "i-1")
     finally:
         master_key._cached.clear()
+
+
+def test_an_alarm_counts_only_within_its_pods_lifetime():
+    """Issue 20, 1/2: the alarm's time must fall within the life of the pod it names: not before
+    its creation, not after its deletion time (the end of its grace period)."""
+    import datetime as _dt
+
+    from sdcguard_operator import validate
+
+    s = Settings.from_env({"SDCGUARD_CLOCK_SKEW_SECONDS": "5"})
+    born = _dt.datetime(2026, 1, 1, 12, 0, tzinfo=_dt.timezone.utc)
+    pod = kubernetes.client.V1Pod(
+        metadata=kubernetes.client.V1ObjectMeta(
+            name="llm-worker-0", uid="p1", labels={"training.kubeflow.org/job-name": "llm"}, creation_timestamp=born,
+            owner_references=[kubernetes.client.V1OwnerReference(api_version="kubeflow.org/v1", kind="PyTorchJob",
+                                                                 name="llm", uid="j1", controller=True)]),
+        spec=kubernetes.client.V1PodSpec(node_name="n1", containers=[]))
+    who, job = {"rank": 0, "pod": "llm-worker-0", "node": "n1", "pod_uid": "p1"}, {"name": "llm", "namespace": "ml"}
+    at = born.timestamp()
+    validate.check_pod(pod, who, job, "j1", at + 60, s)
+    for moment, why in ((at - 60, "older than pod"), (at + 3600, "newer than the end")):
+        pod.metadata.deletion_timestamp = born + _dt.timedelta(minutes=30)
+        with pytest.raises(validate.Rejected) as refused:
+            validate.check_pod(pod, who, job, "j1", moment, s)
+        assert refused.value.reason == "StaleAlarm" and why in refused.value.message
+    for changed, reason in (({"pod_uid": "p2"}, "PodUidMismatch"), ({"node": "n2"}, "NodeMismatch")):
+        with pytest.raises(validate.Rejected) as refused:
+            validate.check_pod(pod, {**who, **changed}, job, "j1", at + 60, s)
+        assert refused.value.reason == reason
+    with pytest.raises(validate.Rejected) as refused:
+        validate.check_pod(pod, who, job, "j-other", at + 60, s)
+    assert refused.value.reason == "PodNotInJob"
