@@ -177,3 +177,37 @@ def test_alarm_strings_that_would_forge_the_approvers_screen_are_refused(world):
     event = world.alarm_event(ns, record)
     assert _outcome(world, ns, event) == "rejected:MalformedAlarm"
     assert world.incidents(ns) == [] and alarm.dumps(record)  # (the record itself is schema-valid)
+
+
+def test_through_the_pod_webhook_only_the_job_controllers_own_pods_get_the_sidecar(make_world):
+    """Attack (issue 20, 1), end to end: pods created through the emulator, which calls the
+    operator's real pod webhook as the API server does. Before, a pod with only the job's label
+    (or a forged ownerReference) got the sidecar and the job's key. Now: the job's own pod, created
+    by the job controller's user, gets the sidecar, POD_UID and SDCGUARD_JOB_UID (what the library
+    signs); a decoy without an owner, or with the job's ownerReference forged by another user, gets
+    none."""
+    controller = "system:serviceaccount:kubeflow:training-operator"
+    world = make_world(pod_webhook=True, SDCGUARD_JOB_CONTROLLER_USERS=controller)
+    import kubernetes
+
+    trainer = kubernetes.client.CoreV1Api(kubernetes.config.new_client_from_config(
+        config_file=str(world.user("trainer-token", controller))))
+    ns, node = "hooked", world.node(new_instance())
+    uid = world.job(ns, "llm")
+    owner = [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": "llm", "uid": uid, "controller": True}]
+
+    def pod(name: str, owners: list | None) -> dict:
+        meta = {"name": name, "labels": {"training.kubeflow.org/job-name": "llm"}}
+        if owners:
+            meta["ownerReferences"] = owners
+        return {"metadata": meta, "spec": {"nodeName": node, "containers": [{"name": "pytorch", "image": "t:1"}]}}
+
+    own = trainer.create_namespaced_pod(ns, pod("llm-worker-0", owner))
+    decoy = trainer.create_namespaced_pod(ns, pod("decoy", None))  # the right creator, no owner
+    forged = world.core.create_namespaced_pod(ns, pod("forged", owner))  # right uid, wrong creator
+    assert [c.name for c in own.spec.init_containers or []] == ["sdcguard-sidecar"]
+    env = {e.name: (e.value or e.value_from.field_ref.field_path) for e in own.spec.containers[0].env}
+    assert env["SDCGUARD_JOB_UID"] == uid and env["POD_UID"] == "metadata.uid"
+    for other in (decoy, forged):
+        assert not other.spec.init_containers and not any(
+            v.secret for v in other.spec.volumes or [] if v.secret), other.metadata.name

@@ -320,6 +320,9 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
                 return _status(422, "Invalid", f"the patch does not apply: {exc}")
         else:
             new = copy.deepcopy(request.data)
+            if request.namespace and isinstance(new, dict):
+                # as the API server does before admission (EnsureObjectNamespaceMatchesRequestNamespace)
+                new.setdefault("metadata", {}).setdefault("namespace", request.namespace)
         group, version, plural = request.resource.group, request.resource.version, request.resource.plural
         gvk = {"group": group, "version": version, "kind": info.kind if info else ""}
         gvr = {"group": group, "version": version, "resource": plural}
