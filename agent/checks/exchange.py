@@ -5,10 +5,11 @@ when they do not are the digests gathered and details fetched, and only from the
 """
 from __future__ import annotations
 
+import ctypes
 import io
 import json
 import math
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,28 @@ _AGREE_BITS = 52
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated); older releases have only that.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# Every tensor this library hands to a collective stays referenced here for a while, and what is
+# here is never freed at interpreter exit. Why: a gloo worker thread drops its reference to a
+# finished op some time after the caller's wait() returned; when the caller's tensor is gone by
+# then, that drop destroys the tensor on the worker thread, which must take the GIL — and during
+# interpreter shutdown a thread that takes the GIL is killed inside a C++ destructor:
+# "terminate called without an active exception", SIGABRT, a finished job reported failed
+# (seen under CPU load at the end of the README example, 3 exits in 9). Big tensors (batches in
+# flight) stay for the next few exchanges only.
+_KEPT_SMALL: deque[torch.Tensor] = deque(maxlen=512)
+_KEPT_LARGE: deque[torch.Tensor] = deque(maxlen=8)
+_LARGE_BYTES = 1 << 16
+for _kept in (_KEPT_SMALL, _KEPT_LARGE):
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_kept))  # leaked on purpose: see above
+
+
+def keep(*tensors: torch.Tensor | None) -> None:
+    """Hold the tensors of a collective past the moment gloo's worker thread lets go of them."""
+    for t in tensors:
+        if t is not None:
+            (_KEPT_LARGE if t.numel() * t.element_size() > _LARGE_BYTES else _KEPT_SMALL).append(t)
+
 
 TRAFFIC: Counter[str] = Counter()
 """Bytes this rank has contributed to each kind of exchange (its own payload, not the copies a
@@ -39,6 +62,7 @@ def agree(digest: bytes, device: torch.device, group: dist.ProcessGroup | None, 
     TRAFFIC["agreements"] += 16
     h = float(int.from_bytes(digest[:8], "big") >> (64 - _AGREE_BITS))  # its first 52 bits
     both = torch.tensor([h, math.inf if veto else -h], dtype=torch.float64, device=device)
+    keep(both)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     highest, minus_lowest = both.tolist()
     return highest == -minus_lowest
@@ -49,6 +73,7 @@ def gather_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None, label: 
     TRAFFIC[label] += tensor.numel() * tensor.element_size()
     flat = tensor.reshape(-1)
     out = flat.new_empty(dist.get_world_size(group) * flat.numel())  # gloo wants it flat
+    keep(out, flat)
     _all_gather_single(out, flat, group=group)
     return out.view(-1, *tensor.shape)
 
@@ -130,6 +155,7 @@ def broadcast_digest(digest: bytes | None, src: int, device: torch.device, group
     """Rank ``src`` tells everyone one 16-byte digest."""
     TRAFFIC["digests"] += DIGEST_BYTES if digest is not None else 0
     words = torch.tensor(_digest_to_words(digest or bytes(DIGEST_BYTES)), dtype=torch.int64, device=device)
+    keep(words)
     dist.broadcast(words, src=_global(group, src), group=group)
     return _words_to_bytes(words)
 
@@ -139,10 +165,12 @@ def broadcast_json(obj: Any, src: int, device: torch.device, group: dist.Process
     never a pickle, so a peer cannot make this rank run code."""
     data = json.dumps(obj).encode() if obj is not None else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    keep(size)
     dist.broadcast(size, src=_global(group, src), group=group)
     blob = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else torch.empty(
         int(size), dtype=torch.uint8, device=device)
     TRAFFIC["details"] += len(data)
+    keep(blob)
     dist.broadcast(blob, src=_global(group, src), group=group)
     return json.loads(blob.cpu().numpy().tobytes().decode())
 
@@ -161,6 +189,7 @@ def _post(send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None,
     """Start one receive and one send as a batch (NCCL would deadlock on a pair of ranks that
     both post a receive before their send, one by one)."""
     ops = []
+    keep(send, recv)
     if recv is not None and src is not None:
         ops.append(dist.P2POp(dist.irecv, recv, _global(group, src), group))
     if send is not None and dst is not None:
