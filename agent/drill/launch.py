@@ -65,9 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", type=Path, help="write the JSON report here")
     parser.add_argument("--spool", type=Path, help="alarm spool directory (default: a temporary one)")
     parser.add_argument("--placement", type=Path, metavar="FILE",
-                        help='JSON {"namespace", "job", "nodes": [{"pod", "node"}, ...]}: simulated node k runs as '
-                             "that pod on that node of that job (what the downward API gives a real pod; "
-                             "sdcguard demo writes it for its sandbox)")
+                        help='JSON {"namespace", "job", "job_uid", "nodes": [{"pod", "node", "pod_uid"}, ...]} (uids '
+                             "optional): simulated node k runs as that pod on that node of that job (what the "
+                             "downward API gives a real pod; sdcguard demo writes it for its sandbox)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                         help="gloo on CPU; auto picks nccl when enough GPUs exist")
@@ -119,8 +119,11 @@ def _placement(path: Path, nodes: int) -> dict[str, Any]:
     for key in ("namespace", "job"):
         if not isinstance(placement.get(key), str) or not placement[key]:
             raise DrillInputError(f"--placement {path}: needs \"{key}\"")
-    return {"namespace": placement["namespace"], "job": placement["job"],
-            "nodes": [{"pod": e["pod"], "node": e["node"]} for e in entries]}
+    uids = [placement.get("job_uid"), *(e.get("pod_uid") for e in entries)]
+    if not all(u is None or (isinstance(u, str) and u) for u in uids):
+        raise DrillInputError(f"--placement {path}: \"job_uid\" and each \"pod_uid\" must be non-empty strings")
+    return {"namespace": placement["namespace"], "job": placement["job"], "job_uid": placement.get("job_uid"),
+            "nodes": [{"pod": e["pod"], "node": e["node"], "pod_uid": e.get("pod_uid")} for e in entries]}
 
 
 def _check_targets(faults: list[FaultSpec]) -> None:

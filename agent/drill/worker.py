@@ -93,15 +93,15 @@ def drill_config(cfg: dict[str, Any], rank: int) -> Config:
     or ``NODE_NAME``: inside an enabled pod those are the job's, and its spool is the sidecar's."""
     node = rank // cfg["ranks_per_node"]
     placement = cfg.get("placement")
+    pod = node_name = pod_uid = job = None
     if placement:
         where = placement["nodes"][node]
-        pod, node_name = where["pod"], where["node"]
-        job = {"kind": names.JOB_KIND, "name": placement["job"], "namespace": placement["namespace"]}
-    else:
-        pod, node_name, job = None, f"drill-node-{node}", None
+        pod, node_name, pod_uid = where["pod"], where["node"], where.get("pod_uid")
+        job = {"kind": names.JOB_KIND, "name": placement["job"], "namespace": placement["namespace"],
+               **({"uid": placement["job_uid"]} if placement.get("job_uid") else {})}
     return Config(audit_every=cfg["audit_every"], weight_check_every=cfg["weight_check_every"],
                   spool=cfg["spool"], seed=cfg["seed"], ranks_per_node=cfg["ranks_per_node"],
-                  pod=pod, node=node_name, job=job, drill=True)
+                  pod=pod, node=node_name or f"drill-node-{node}", pod_uid=pod_uid, job=job, drill=True)
 
 
 def train(cfg: dict[str, Any], rank: int) -> dict[str, Any]:

@@ -110,11 +110,6 @@ class Sandbox:
         inherited = {k: v for k, v in os.environ.items() if not k.startswith(("SDCGUARD_", "AWS_"))}
         if not admission:  # as the chart sets it without the NodeReplacement webhook: nobody records deciders
             settings.setdefault("SDCGUARD_REQUIRE_ADMISSION_DECISIONS", "false")
-        if pod_webhook:
-            # The sandbox's alarms come from `sdcguard drill --placement`, run outside any pod: until
-            # the placement file carries the pods' and the job's uids for the drill to sign, its
-            # records lack them (the migration setting; the operator tests keep the strict default).
-            settings.setdefault("SDCGUARD_REQUIRE_ALARM_UIDS", "false")
         self.env = {**inherited, **self.aws.env(), "KUBECONFIG": str(self.kube.kubeconfig), "KUBECTL": KUBECTL,
                     WORKDIR_ENV: str(self.workdir), "PYTHONSAFEPATH": "1",
                     "PATH": f"{BINDIR}:{os.environ.get('PATH', '')}",

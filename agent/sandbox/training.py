@@ -91,7 +91,7 @@ def start_training_job(sandbox: Sandbox, *, namespace: str = "demo", job: str = 
     training = TrainingJob(namespace=namespace, job=job, nodes=node_names, instances=instances, pods=pods,
                            spool=spool, placement=workdir / "placement.json", approver_kubeconfig=approver_kubeconfig,
                            approver=approver, settings=_injected_env(sandbox, namespace, pods[0]))
-    write_placement(training)
+    write_placement(sandbox, training)
     env = {**sandbox.env, "KUBECONFIG": str(sandbox.user("sidecar", f"system:serviceaccount:{namespace}:default")),
            names.ENV_POD_NAME: pods[0], names.ENV_POD_NAMESPACE: namespace, names.ENV_NODE_NAME: node_names[0]}
     training.sidecar_log = workdir / "sidecar.log"
@@ -103,10 +103,16 @@ def start_training_job(sandbox: Sandbox, *, namespace: str = "demo", job: str = 
     return training
 
 
-def write_placement(training: TrainingJob) -> None:
-    """``placement.json`` for ``sdcguard drill --placement``: simulated node k runs as pod k on node k."""
-    training.placement.write_text(json.dumps({"namespace": training.namespace, "job": training.job, "nodes": [
-        {"pod": pod, "node": node} for pod, node in zip(training.pods, training.nodes)]}, indent=1) + "\n")
+def write_placement(sandbox: Sandbox, training: TrainingJob) -> None:
+    """``placement.json`` for ``sdcguard drill --placement``: simulated node k runs as pod k on node k,
+    with the uids the downward API would give it (the pod's, and its job's) for the drill to sign."""
+    live = {p.metadata.name: p.metadata.uid for p in sandbox.core.list_namespaced_pod(
+        training.namespace, label_selector=f"{names.JOB_NAME_LABEL}={training.job}").items}
+    training.placement.write_text(json.dumps({
+        "namespace": training.namespace, "job": training.job,
+        "job_uid": sandbox.job_uid(training.namespace, training.job),
+        "nodes": [{"pod": pod, "node": node, **({"pod_uid": live[pod]} if pod in live else {})}
+                  for pod, node in zip(training.pods, training.nodes)]}, indent=1) + "\n")
 
 
 def _pod(sandbox: Sandbox, namespace: str, pod: str) -> Any:
@@ -171,7 +177,7 @@ class StandIns:
             new = sandbox.node(new_id, register=False)  # SageMaker already has it
             training.instances[index], training.nodes[index] = new_id, new
             training.replaced.append((old, new))
-            write_placement(training)
+            write_placement(sandbox, training)
 
     def follow_suspension(self) -> None:
         """The training operator: a suspended job has no pods; a running one has one per node."""
@@ -179,8 +185,12 @@ class StandIns:
         suspended = sandbox.job_suspended(training.namespace, training.job)
         existing = {p.metadata.name for p in sandbox.core.list_namespaced_pod(
             training.namespace, label_selector=f"{names.JOB_NAME_LABEL}={training.job}").items}
+        recreated = False
         for pod, node in zip(training.pods, training.nodes):
             if suspended and pod in existing:
                 sandbox.core.delete_namespaced_pod(pod, training.namespace)
             elif not suspended and pod not in existing:
                 sandbox.pod(training.namespace, pod, training.job, node)
+                recreated = True
+        if recreated:  # new pods, new uids
+            write_placement(sandbox, training)
