@@ -1,9 +1,9 @@
 """sdcguard's kopf operator: alarm Events -> incidents -> containment -> approval -> node replacement.
 
-Run with ``kopf run -m sdcguard_operator`` or ``sdcguard operator``.  Importing the package
-registers the handlers (``handlers``), the pod mutating webhook (``webhook``) and the
-NodeReplacement admission webhook (``admission``).
+Run with ``kopf run -m sdcguard_operator`` or ``sdcguard operator``. Importing the package registers
+every handler and webhook into kopf's default registry (:mod:`.main`), with the settings read once:
+a bad setting exits with status 2 and one line, before anything starts.
 """
-from . import handlers  # noqa: F401
-from . import webhook  # noqa: F401
-from . import admission  # noqa: F401
+from .main import register_default as _register_default
+
+_register_default()

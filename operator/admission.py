@@ -144,7 +144,7 @@ async def admit(body: kopf.Body, old: kopf.Body | None, new: kopf.Body | None, o
     name = body.metadata.name or ""
     username = str(userinfo.get("username") or "")
     verdict = judge(operation or "", (old or {}).get("spec"), (new or body).get("spec"), username,
-                    Settings.from_env().operator_username)
+                    _OPERATOR["username"])
     if verdict.allowed and (verdict.deciding or verdict.releasing):
         allowed, why = await asyncio.to_thread(may_approve, userinfo, name)
         if not allowed:
@@ -170,10 +170,13 @@ async def admit(body: kopf.Body, old: kopf.Body | None, new: kopf.Body | None, o
         metrics.ADMISSION.labels("Allowed").inc()
 
 
-def register(registry: kopf.OperatorRegistry) -> None:
-    """Register the handler; on import with kopf's default registry, in tests with a fresh one."""
+_OPERATOR: dict[str, str | None] = {"username": None}
+"""The operator's own user (``SDCGUARD_OPERATOR_USERNAME``), as read once at start."""
+
+
+def register(registry: kopf.OperatorRegistry, settings: Settings | None = None) -> None:
+    """Register the handler (:mod:`.main` does, with kopf's default registry; tests with a fresh one)."""
+    _OPERATOR["username"] = (settings if settings is not None else Settings.from_env()).operator_username
     kopf.on.mutate(names.GROUP, names.VERSION, names.REPLACEMENTS, registry=registry, id=HANDLER_ID,
                    operations=["CREATE", "UPDATE"], side_effects=False)(admit)
 
-
-register(kopf.get_default_registry())

@@ -19,6 +19,7 @@ import threading
 from .settings import Settings
 
 
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sdcguard operator", description=__doc__.splitlines()[0])
     parser.add_argument("--namespace", "-n", action="append", default=[], help="namespace to watch (repeatable)")
@@ -32,9 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         settings = settings_for(args.namespace)
-    except ValueError as exc:
-        print(f"sdcguard operator: error: {exc}", file=sys.stderr)
-        return 2
+    except SystemExit as exc:  # main.BadSettings: already said on one line
+        return int(exc.code or 2)
     namespaces = list(settings.namespaces)
     if settings.leader_election and not args.no_leader_election:
         return run_elected(settings, namespaces, args.liveness, args.log_format,
@@ -62,9 +62,10 @@ def settings_for(namespace_flags: list[str], env: "os._Environ[str] | None" = No
     env = os.environ if env is None else env
     if namespace_flags:
         env["SDCGUARD_NAMESPACES"] = ",".join(namespace_flags)
-    settings = Settings.from_env(env)
     from . import handlers
+    from .main import load_settings
 
+    settings = load_settings(env)
     handlers.SETTINGS = settings
     return settings
 
@@ -76,14 +77,12 @@ def run_elected(settings: Settings, namespaces: list[str], liveness: str | None,
 
     import kopf
 
-    from . import admission, handlers, leader, metrics, webhook
+    from . import handlers, leader, main, metrics
 
     kopf.configure(log_format=kopf.LogFormat[log_format.upper()], **levels)
     scope = dict(clusterwide=not namespaces, namespaces=namespaces)
     serving = kopf.OperatorRegistry()
-    kopf.on.login(registry=serving, id="sdcguard-login")(handlers.login)
-    webhook.register(serving)
-    admission.register(serving)
+    main.register(serving, settings, handlers_too=False)
     threading.Thread(target=lambda: asyncio.run(kopf.operator(registry=serving, standalone=True,
                                                               liveness_endpoint=liveness, **scope)),
                      name="sdcguard-webhooks", daemon=True).start()
@@ -92,7 +91,7 @@ def run_elected(settings: Settings, namespaces: list[str], liveness: str | None,
     elector.acquire()
     holding = elector.start_holding()
     acting = kopf.OperatorRegistry()
-    handlers.register(acting)
+    main.register(acting, settings, webhooks_too=False)
     stop = threading.Event()
     watchers = WatcherFailure(stop)
     logging.getLogger("kopf._core.reactor.orchestration").addHandler(watchers)

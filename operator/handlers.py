@@ -1,8 +1,8 @@
-"""The kopf handlers: registration only; each delegates in one line to the module that does the work.
+"""The kopf handlers: each delegates in one line to the module that does the work.
 
-``register(registry)`` puts them into a registry: on import into kopf's default one (``kopf run -m
-sdcguard_operator``), and into a registry of their own for ``sdcguard operator``, which runs them
-only while this replica is the leader (:mod:`.leader`) and serves the webhooks from another.
+``register(registry, settings)`` puts them into a registry; :mod:`.main` calls it (kopf's default
+registry for ``kopf run -m sdcguard_operator``; a registry of their own for ``sdcguard operator``,
+which runs them only while this replica is the leader, :mod:`.leader`). Nothing happens at import.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from sdcguard.contract import names
 from . import alarm_keys, incident, intake, kube, metrics, replacement, validate
 from .settings import Settings
 
-SETTINGS = Settings.from_env()
+SETTINGS: Settings = Settings()
+"""The settings the handlers act on: set once at start by :func:`register` (see :mod:`.main`)."""
 ALARM_FILTER = dict(field="reason", value=names.EVENT_REASON)
 #: The threads the (synchronous) handlers run in, ours so that a stopping replica can wait for the
 #: ones still running (an AWS call in flight) before it hands the Lease over (:mod:`.cli`).
@@ -77,7 +78,9 @@ def replacement_released(body: kopf.Body, **_: Any) -> None:
     replacement.release(dict(body), SETTINGS)
 
 
-def register(registry: kopf.OperatorRegistry, *, with_login: bool = True) -> None:
+def register(registry: kopf.OperatorRegistry, settings: Settings, *, with_login: bool = True) -> None:
+    global SETTINGS
+    SETTINGS = settings
     on = kopf.on
     on.startup(registry=registry, id="sdcguard-configure")(configure)
     if with_login:
@@ -102,5 +105,3 @@ def register(registry: kopf.OperatorRegistry, *, with_login: bool = True) -> Non
     on.field(names.GROUP, names.VERSION, names.REPLACEMENTS, field="spec.release", registry=registry,
              id="replacement_released", backoff=SETTINGS.retry_seconds)(replacement_released)
 
-
-register(kopf.get_default_registry())

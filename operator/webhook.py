@@ -477,10 +477,8 @@ def _become(result: Mapping[str, Any], target: dict[str, Any]) -> None:
 
 
 def register(registry: kopf.OperatorRegistry) -> None:
-    """Register the handlers; on import with kopf's default registry, in tests with a fresh one."""
+    """Register the handlers (:mod:`.main` does, with kopf's default registry; tests with a fresh one)."""
     kopf.on.startup(registry=registry, id="sdcguard-webhook-configure")(configure)
     kopf.on.mutate("", "v1", "pods", registry=registry, id=HANDLER_ID, operations=["CREATE"],
                    ignore_failures=True, side_effects=False)(mutate_pod)
 
-
-register(kopf.get_default_registry())

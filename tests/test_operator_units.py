@@ -3,6 +3,7 @@ local SageMaker endpoint), incident naming, CRDs, the CLI.  No operator process:
 """
 from __future__ import annotations
 
+import os
 import pathlib
 
 import kubernetes
@@ -33,10 +34,19 @@ def test_settings_defaults_and_errors_name_the_variable():
     assert [Settings.from_env({}).backoff(n) for n in (1, 2, 3, 10)] == [5.0, 10.0, 20.0, 300.0]
 
 
-def test_cli_refuses_bad_settings(monkeypatch, capsys):
-    monkeypatch.setenv("SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES", "-1")
-    assert cli.main([]) == 2
-    assert "SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES" in capsys.readouterr().err
+@pytest.mark.parametrize("command", [["-m", "sdcguard.cli", "operator"], ["-m", "kopf", "run", "-m", "sdcguard_operator",
+                                                                          "--standalone"]], ids=["sdcguard", "kopf"])
+def test_the_real_command_refuses_bad_settings_in_one_line(command):
+    """Before: the package read its settings while being imported, so a bad value died in a
+    traceback and the CLI's clean exit path was never reached."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SDCGUARD_POLL_SECONDS": "abc", "PYTHONSAFEPATH": "1"}
+    proc = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "SDCGUARD_POLL_SECONDS must be a number, got 'abc'" in lines[0], proc.stderr
 
 
 def test_instance_id_from_node_name_then_provider_id():
