@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import recovery
-from .checks.exchange import broadcast_json, keep
+from .checks.exchange import broadcast_json, wait
 from .checks.weights import fingerprint_weights
 from .contract.alarm import now_rfc3339
 from .contract.spool import write_json_atomic
@@ -315,8 +315,7 @@ def rank0_says(when: bool, device: torch.device, group: dist.ProcessGroup | None
     if solo:
         return when
     flag = torch.tensor([1 if when else 0], dtype=torch.int64, device=device)
-    keep(flag)
-    dist.broadcast(flag, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+    wait(dist.broadcast(flag, src=0 if group is None else dist.get_global_rank(group, 0), group=group, async_op=True))
     return bool(flag.item())
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import recovery
+from .checks.exchange import wait
 from .checks.topology import Topology
 from .checks.verdict import Verdict
 from .config import Config
@@ -68,7 +69,7 @@ class AlarmReporter:
                               "the spool %s and the sidecar keeps trying while the pod terminates",
                               record["id"], wait, spool.state(self.config.spool, record["id"]), self.config.spool)
         if wait and topo.world_size > 1:
-            dist.barrier(group=self.group)  # no rank leaves (and ends the job) before the reporter's wait
+            wait(dist.barrier(group=self.group, async_op=True))  # no rank leaves (and ends the job) before the reporter's wait
         self.stats.alarms += 1
         self.stats.flush(self.config.spool, force=True)
         return record

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from . import recovery
 from .checks.audit import Replayer
 from .checks.commhook import GradientRecorder
-from .checks.exchange import DIGEST_BYTES, Incoming, agree, gather_digests, gather_objects, keep, serialize
+from .checks.exchange import DIGEST_BYTES, Incoming, agree, gather_digests, gather_objects, serialize, wait
 from .checks.nonfinite import gather_norms, judge_nonfinite, nonfinite_local_ranks, sum_votes
 from .checks.reduce_checksum import judge_checksum
 from .checks.replay import PassResult, Payload
@@ -135,8 +135,7 @@ class Verifier:
         """Every rank's reduced gradients (now in ``.grad``) checked element by element, agreed."""
         finite = all(bool(torch.isfinite(p.grad).all()) for _, p in self.named_parameters if p.grad is not None)
         flag = torch.tensor([1.0 if finite else 0.0], dtype=torch.float64, device=self.device)
-        keep(flag)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True))
         return bool(flag.item() == 1.0)
 
     def _judge_nonfinite(self, s: StepRecord, norms: list[list[float]], scale: Scale) -> Outcome:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from ..fingerprint import Fingerprint, fingerprint_sums, to_fingerprints
+from .exchange import hold
 from .reduce_checksum import ChecksumWeights, Shape, vote
 
 __all__ = ["GradientRecorder", "record_then_reduce", "allreduce_mean"]
@@ -158,4 +159,6 @@ def _launch_mean(process_group: dist.ProcessGroup | None, buffer: torch.Tensor) 
     per bucket and step: the Python wrappers of ``dist.all_reduce`` are measurable there)."""
     group = process_group if process_group is not None else dist.group.WORLD
     buffer.mul_(1.0 / group.size())
-    return group.allreduce([buffer]).get_future()
+    work = group.allreduce([buffer])
+    hold(work)  # the op is never destroyed on gloo's worker thread (see exchange.hold)
+    return work.get_future()

@@ -23,26 +23,29 @@ _AGREE_BITS = 52
 # torch 2.13 renamed all_gather_into_tensor (now deprecated); older releases have only that.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-# Every tensor this library hands to a collective stays referenced here for a while, and what is
-# here is never freed at interpreter exit. Why: a gloo worker thread drops its reference to a
-# finished op some time after the caller's wait() returned; when the caller's tensor is gone by
-# then, that drop destroys the tensor on the worker thread, which must take the GIL — and during
-# interpreter shutdown a thread that takes the GIL is killed inside a C++ destructor:
-# "terminate called without an active exception", SIGABRT, a finished job reported failed
-# (seen under CPU load at the end of the README example, 3 exits in 9). Big tensors (batches in
-# flight) stay for the next few exchanges only.
-_KEPT_SMALL: deque[torch.Tensor] = deque(maxlen=512)
-_KEPT_LARGE: deque[torch.Tensor] = deque(maxlen=8)
-_LARGE_BYTES = 1 << 16
-for _kept in (_KEPT_SMALL, _KEPT_LARGE):
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_kept))  # leaked on purpose: see above
+# Every collective this library runs keeps its Work handle here for a while, and what is here is
+# never freed at interpreter exit. Why: a gloo worker thread lets go of a finished op some time
+# after the caller's wait() returned; when that is the last reference, the op (and its tensors) is
+# destroyed on the worker thread, which must take the GIL — and during interpreter shutdown a
+# thread that takes the GIL is killed inside a C++ destructor: "terminate called without an
+# active exception", SIGABRT, a finished job reported failed (seen under CPU load at the end of
+# the README example, 4 exits in 20; the core: ~AsyncBroadcastWork -> decref_pyobject -> take_gil
+# -> pthread_exit). Held here, the op is destroyed later on the thread that drops it from the
+# deque (with the GIL), or never.
+_WORKS: deque[Any] = deque(maxlen=256)
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_WORKS))  # leaked on purpose: see above
 
 
-def keep(*tensors: torch.Tensor | None) -> None:
-    """Hold the tensors of a collective past the moment gloo's worker thread lets go of them."""
-    for t in tensors:
-        if t is not None:
-            (_KEPT_LARGE if t.numel() * t.element_size() > _LARGE_BYTES else _KEPT_SMALL).append(t)
+def hold(work: Any) -> None:
+    """Keep a collective's handle past the moment gloo's worker thread lets go of it (``_WORKS``)."""
+    _WORKS.append(work)
+
+
+def wait(work: Any) -> None:
+    """Wait for a collective started with ``async_op=True``, keeping its handle (see ``_WORKS``)."""
+    if work is not None:
+        hold(work)
+        work.wait()
 
 
 TRAFFIC: Counter[str] = Counter()
@@ -62,8 +65,7 @@ def agree(digest: bytes, device: torch.device, group: dist.ProcessGroup | None, 
     TRAFFIC["agreements"] += 16
     h = float(int.from_bytes(digest[:8], "big") >> (64 - _AGREE_BITS))  # its first 52 bits
     both = torch.tensor([h, math.inf if veto else -h], dtype=torch.float64, device=device)
-    keep(both)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True))
     highest, minus_lowest = both.tolist()
     return highest == -minus_lowest
 
@@ -73,8 +75,7 @@ def gather_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None, label: 
     TRAFFIC[label] += tensor.numel() * tensor.element_size()
     flat = tensor.reshape(-1)
     out = flat.new_empty(dist.get_world_size(group) * flat.numel())  # gloo wants it flat
-    keep(out, flat)
-    _all_gather_single(out, flat, group=group)
+    wait(_all_gather_single(out, flat, group=group, async_op=True))
     return out.view(-1, *tensor.shape)
 
 
@@ -155,8 +156,7 @@ def broadcast_digest(digest: bytes | None, src: int, device: torch.device, group
     """Rank ``src`` tells everyone one 16-byte digest."""
     TRAFFIC["digests"] += DIGEST_BYTES if digest is not None else 0
     words = torch.tensor(_digest_to_words(digest or bytes(DIGEST_BYTES)), dtype=torch.int64, device=device)
-    keep(words)
-    dist.broadcast(words, src=_global(group, src), group=group)
+    wait(dist.broadcast(words, src=_global(group, src), group=group, async_op=True))
     return _words_to_bytes(words)
 
 
@@ -165,13 +165,11 @@ def broadcast_json(obj: Any, src: int, device: torch.device, group: dist.Process
     never a pickle, so a peer cannot make this rank run code."""
     data = json.dumps(obj).encode() if obj is not None else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    keep(size)
-    dist.broadcast(size, src=_global(group, src), group=group)
+    wait(dist.broadcast(size, src=_global(group, src), group=group, async_op=True))
     blob = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else torch.empty(
         int(size), dtype=torch.uint8, device=device)
     TRAFFIC["details"] += len(data)
-    keep(blob)
-    dist.broadcast(blob, src=_global(group, src), group=group)
+    wait(dist.broadcast(blob, src=_global(group, src), group=group, async_op=True))
     return json.loads(blob.cpu().numpy().tobytes().decode())
 
 
@@ -189,7 +187,6 @@ def _post(send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None,
     """Start one receive and one send as a batch (NCCL would deadlock on a pair of ranks that
     both post a receive before their send, one by one)."""
     ops = []
-    keep(send, recv)
     if recv is not None and src is not None:
         ops.append(dist.P2POp(dist.irecv, recv, _global(group, src), group))
     if send is not None and dst is not None:
@@ -199,7 +196,7 @@ def _post(send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None,
 
 def _wait(works: list[Any]) -> None:
     for work in works:
-        work.wait()
+        wait(work)
 
 
 def _global(group: dist.ProcessGroup | None, rank: int) -> int:

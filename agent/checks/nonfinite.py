@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..contract.alarm import CHECK_NONFINITE_LOCAL, CHECK_NONFINITE_REDUCED
-from .exchange import TRAFFIC, gather_tensor, keep
+from .exchange import TRAFFIC, gather_tensor, wait
 from .verdict import Verdict
 
 
@@ -27,8 +27,7 @@ def sum_votes(vote: torch.Tensor, group: dist.ProcessGroup | None = None) -> tup
     grows with nothing."""
     TRAFFIC["norms"] += vote.numel() * vote.element_size()
     total = vote.clone()
-    keep(total)
-    dist.all_reduce(total, group=group)
+    wait(dist.all_reduce(total, group=group, async_op=True))
     x, y = total.tolist()
     return x, y
 
