@@ -59,16 +59,16 @@ class AlarmReporter:
             **recovery.recovery_fields(verdict.check, step, history),
             **({"drill": True} if self.config.drill else {}),
         )
-        wait = self.config.publish_wait() if self.config.spool else 0.0
+        patience = self.config.publish_wait() if self.config.spool else 0.0
         if topo.rank == reporter:
             log.error("sdcguard alarm: %s", SDCDetected(alarm=record))
             if self.config.spool:
                 spool.write_alarm(self.config.spool, record)
-                if wait and not spool.wait_published(self.config.spool, record["id"], timeout=wait):
+                if patience and not spool.wait_published(self.config.spool, record["id"], timeout=patience):
                     log.error("sdcguard: the sidecar has not confirmed alarm %s within %.0f s (%s); it stays in "
                               "the spool %s and the sidecar keeps trying while the pod terminates",
-                              record["id"], wait, spool.state(self.config.spool, record["id"]), self.config.spool)
-        if wait and topo.world_size > 1:
+                              record["id"], patience, spool.state(self.config.spool, record["id"]), self.config.spool)
+        if patience and topo.world_size > 1:
             wait(dist.barrier(group=self.group, async_op=True))  # no rank leaves (and ends the job) before the reporter's wait
         self.stats.alarms += 1
         self.stats.flush(self.config.spool, force=True)
