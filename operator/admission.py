@@ -34,11 +34,11 @@ import kopf
 
 from sdcguard.contract import names
 
-from . import kube, metrics
+from . import approval, kube, metrics
 from .settings import Settings
 
 HANDLER_ID = names.REPLACEMENT_WEBHOOK_ID  # also the URL path kopf serves it at
-TARGET_FIELDS = ("nodeName", "instanceId", "clusterName", "instanceGroup")
+TARGET_FIELDS = approval.TARGET_FIELDS
 OPERATOR_FIELDS = TARGET_FIELDS + ("incidents",)
 DECIDER_FIELDS = ("decidedBy", "decidedByGroups")
 RELEASER_FIELDS = ("releasedBy", "releasedByGroups")

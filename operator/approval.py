@@ -16,6 +16,10 @@ from sdcguard.contract import names
 from . import kube
 
 DECISIONS = ("Approved", "Denied")
+TERMINAL = ("Replaced", "Failed", "Denied")
+"""NodeReplacement phases after which nothing more happens to it."""
+TARGET_FIELDS = ("nodeName", "instanceId", "clusterName", "instanceGroup")
+"""What a NodeReplacement acts on: fixed at creation (admission, CEL rules, the recorded target)."""
 
 
 def recorded(status: dict[str, Any]) -> str | None:

@@ -6,7 +6,7 @@ Three limits apply: cluster-wide (``maxConcurrentSuspectNodes``), per namespace 
 taken with a compare-and-swap (a patch conditional on the ConfigMap's resourceVersion), so two
 incidents handled at once — by two handlers of one process or by two replicas — cannot both take
 the last slot; only then is the node cordoned and labelled ``sdcguard.dev/suspect=true``.  Nodes
-carrying the label without a slot (labelled by an older operator) count as taken too.  A slot is
+carrying the label without a slot (set by hand, or left by an interrupted release) count as taken too.  A slot is
 given back when the node is released: denied, replaced, or ``kubectl sdcguard release NODE`` after
 a failed replacement.
 """
@@ -74,7 +74,7 @@ def slots(settings: Settings) -> dict[str, str]:
 
 
 def slot_value(incident_ref: str, job: str) -> str:
-    """A slot's value: ``<namespace>/<incident> job=<job>`` (older operators wrote the ref alone)."""
+    """A slot's value: ``<namespace>/<incident> job=<job>``."""
     return f"{incident_ref} job={job}"
 
 

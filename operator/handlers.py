@@ -78,6 +78,12 @@ def replacement_released(body: kopf.Body, **_: Any) -> None:
     replacement.release(dict(body), SETTINGS)
 
 
+def replacement_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+    """The incidents a NodeReplacement serves read its phase (the replacement never writes them)."""
+    if type != "DELETED":
+        incident.replacement_changed(dict(body))
+
+
 def register(registry: kopf.OperatorRegistry, settings: Settings, *, with_login: bool = True) -> None:
     global SETTINGS
     SETTINGS = settings
@@ -104,4 +110,6 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, *, with_login:
              id="replacement_decided", backoff=SETTINGS.retry_seconds)(replacement_decided)
     on.field(names.GROUP, names.VERSION, names.REPLACEMENTS, field="spec.release", registry=registry,
              id="replacement_released", backoff=SETTINGS.retry_seconds)(replacement_released)
+    on.event(names.GROUP, names.VERSION, names.REPLACEMENTS, registry=registry, id="replacement_changed")(
+        replacement_changed)
 

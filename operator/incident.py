@@ -21,6 +21,7 @@ from sdcguard.contract import names
 from sdcguard.contract import alarm as alarm_schema
 
 from . import contain, hyperpod, kube, localize, master_key, metrics, replacement
+from .approval import TERMINAL
 from .settings import Settings
 
 
@@ -232,8 +233,6 @@ def reconcile(body: dict[str, Any], settings: Settings) -> None:
         return
     if not status.get("phase"):
         status = _open(namespace, name, spec)
-    elif "suspectWindow" not in status:  # opened by an operator that did not record the plan yet
-        status = _backfill_recovery(namespace, name, spec)
     status = _suspend(namespace, name, spec, status, settings)
     held = _cordon_all(namespace, name, ref, spec, status, settings)
     status = kube.get_incident(namespace, name).get("status") or {}
@@ -267,16 +266,37 @@ def reconcile(body: dict[str, Any], settings: Settings) -> None:
 
 
 def sync(ref: str) -> None:
-    """Re-read the incident's NodeReplacements: a progress note lost to a crash is made up for here."""
+    """Re-read the incident's NodeReplacements (a watch event missed while the operator was down is
+    made up for here)."""
     for replacement_name in (kube.get_incident(*ref.split("/", 1)).get("status") or {}).get("replacements") or {}:
         try:
-            phase = (kube.get_replacement(replacement_name).get("status") or {}).get("phase")
+            body = kube.get_replacement(replacement_name)
         except Exception as exc:
             if kube.not_found(exc):
                 continue
             raise
-        if phase:
-            note(ref, "", "", replacement_name, phase)
+        follow(ref, body)
+
+
+def replacement_changed(body: dict[str, Any]) -> None:
+    """A NodeReplacement changed: each incident it serves reads its phase (the replacement never
+    writes an incident; the incident owns its own status)."""
+    for ref in (body.get("spec") or {}).get("incidents") or []:
+        if "/" in ref:
+            follow(ref, body)
+
+
+def follow(ref: str, replacement_body: dict[str, Any]) -> None:
+    """Take a NodeReplacement's current phase into the incident ``ref``: its timeline entry
+    (``Replacement<event>``), and the incident's resolution when every replacement is done."""
+    status = replacement_body.get("status") or {}
+    phase = status.get("phase")
+    if not phase:
+        return
+    name = replacement_body["metadata"]["name"]
+    entry = next((e for e in reversed(status.get("timeline") or []) if e.get("phase") == phase), None)
+    event, message = (f"Replacement{entry['event']}", f"{name}: {entry.get('message', '')}") if entry else ("", "")
+    note(ref, event, message, name, phase)
 
 
 def _open(namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -295,12 +315,6 @@ def _open(namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
                 "timeline": [{"time": kube.now(), "event": "Opened", "message": message}]
                 + list(status.get("timeline") or [])}
     return kube.update_status(names.INCIDENTS, namespace, name, change).get("status") or {}
-
-
-def _backfill_recovery(namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """Add the recovery plan to an incident opened without it; the timeline is left as it is."""
-    return kube.update_status(names.INCIDENTS, namespace, name,
-                              lambda status: {} if "suspectWindow" in status else recovery(spec)).get("status") or {}
 
 
 def _record(namespace: str, name: str, event: str, message: str, **fields: Any) -> dict[str, Any]:
@@ -392,19 +406,22 @@ def _open_replacements(namespace: str, name: str, ref: str, status: dict[str, An
 
 
 def note(ref: str, event: str, message: str, replacement_name: str, phase: str) -> None:
-    """A NodeReplacement reports progress to an incident's timeline; the incident resolves when all are done."""
+    """Record a NodeReplacement's phase in the incident (once per phase: the timeline gets its entry
+    when the recorded phase changes); the incident resolves when all are done."""
     namespace, name = ref.split("/", 1)
 
     def change(status: dict[str, Any]) -> dict[str, Any]:
         replacements = dict(status.get("replacements") or {})
+        if replacement_name not in replacements:
+            return {}  # not one this incident opened: a NodeReplacement naming it proves nothing
         patch: dict[str, Any] = {}
+        timeline = list(status.get("timeline") or [])
         if replacements.get(replacement_name) != phase:
             replacements[replacement_name] = phase
             patch["replacements"] = replacements
-        timeline = list(status.get("timeline") or [])
-        if event:
-            timeline.append({"time": kube.now(), "event": event, "message": message})
-        if all(p in replacement.TERMINAL for p in replacements.values()) and status.get("phase") == "AwaitingApproval":
+            if event:
+                timeline.append({"time": kube.now(), "event": event, "message": message})
+        if all(p in TERMINAL for p in replacements.values()) and status.get("phase") == "AwaitingApproval":
             timeline.append({"time": kube.now(), "event": "Resolved",
                              "message": f"every node replacement is done; resume from {resume_text(status)}"})
             patch["phase"] = "Resolved"

@@ -172,7 +172,10 @@ def record(plural: str, namespace: str | None, name: str, event: str | None = No
         if conditions:
             patch["conditions"] = merge_conditions(current.get("conditions", []), conditions)
         if event:
-            patch["timeline"] = list(current.get("timeline", [])) + [{"time": now(), "event": event, "message": message}]
+            entry = {"time": now(), "event": event, "message": message}
+            if plural == names.REPLACEMENTS and "phase" in status:
+                entry["phase"] = status["phase"]  # what an incident following this one reads (incident.follow)
+            patch["timeline"] = list(current.get("timeline", [])) + [entry]
         return patch
     return update_status(plural, namespace, name, change)
 

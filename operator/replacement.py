@@ -28,8 +28,7 @@ from . import approval, contain, hyperpod, kube, master_key, metrics
 from .localize import Location
 from .settings import Settings
 
-TERMINAL = ("Replaced", "Failed", "Denied")
-TARGET_FIELDS = ("nodeName", "instanceId", "clusterName", "instanceGroup")
+TERMINAL, TARGET_FIELDS = approval.TERMINAL, approval.TARGET_FIELDS
 WAIT_CODES = {"InstanceIdInUse", "InvalidInstanceStatus"}
 REPLACING_STATUSES = {"ShuttingDown", "Pending", "NotFound"}
 
@@ -107,23 +106,6 @@ def _record_target(name: str, target: dict[str, str]) -> None:
     kube.update_status(names.REPLACEMENTS, None, name, lambda status: {} if status.get("target") else {"target": target})
 
 
-def _target_from_incidents(body: dict[str, Any]) -> dict[str, Any] | None:
-    """An object opened by an operator that did not record its target yet: the target its incident
-    recorded when it created this NodeReplacement (operator-written status), now recorded here."""
-    name = body["metadata"]["name"]
-    from . import incident  # the incident module imports this one
-    for ref in (body.get("spec") or {}).get("incidents") or []:
-        found = incident.find(*ref.split("/", 1)) if "/" in ref else None
-        for node, state in ((found or {}).get("status") or {}).get("nodes", {}).items():
-            if state.get("replacement") == name and state.get("instanceId") and state.get("cluster"):
-                target = {"nodeName": node, "instanceId": state["instanceId"], "clusterName": state["cluster"]}
-                if state.get("instanceGroup"):
-                    target["instanceGroup"] = state["instanceGroup"]
-                _record_target(name, target)
-                return target
-    return None
-
-
 def changed_fields(spec: dict[str, Any], target: dict[str, Any]) -> list[str]:
     """The target fields in which the spec differs from the recorded target."""
     return [f for f in TARGET_FIELDS if spec.get(f) != target.get(f)]
@@ -144,7 +126,7 @@ def reconcile(body: dict[str, Any], settings: Settings) -> None:
         _refuse_foreign(body)
         return
     _export_pending(name, body)
-    target = status.get("target") or _target_from_incidents(body)
+    target = status.get("target")
     if not target or status.get("phase") in TERMINAL:
         return
     status = {**status, "target": target}
@@ -275,13 +257,9 @@ def _phase(body: dict[str, Any], phase: str, event: str, message: str, **fields:
         return moved[0]
     status = kube.record(names.REPLACEMENTS, None, name, event, message, only_if=only_if, phase=phase,
                          **fields).get("status") or {}
-    if not moved or not moved[0]:
-        return status
-    metrics.REPLACEMENTS.labels(phase).inc()
-    from . import incident  # the incident module imports this one
-    for ref in body["spec"].get("incidents") or []:
-        incident.note(ref, f"Replacement{event}", f"{name}: {message}", name, phase)
-    return status
+    if moved and moved[0]:
+        metrics.REPLACEMENTS.labels(phase).inc()
+    return status  # the incidents read the new phase themselves (incident.follow)
 
 
 def _note(body: dict[str, Any], event: str | None, message: str, **fields: Any) -> dict[str, Any]:

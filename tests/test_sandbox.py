@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-pytestmark = [pytest.mark.operator, pytest.mark.multiprocess]
+pytestmark = [pytest.mark.emulator, pytest.mark.operator, pytest.mark.multiprocess]
 BINDIR = pathlib.Path(sys.prefix) / "bin"
 ENV = {**os.environ, "PATH": f"{BINDIR}:{os.environ.get('PATH', '')}", "PYTHONSAFEPATH": "1"}
 
@@ -54,7 +54,10 @@ def test_demo_closes_the_loop_and_stops_everything(tmp_path: pathlib.Path) -> No
     suspect = alarm["suspects"][0]
     assert alarm["check"] == "replay" and alarm["step"] == 8 and suspect["rank"] == 3
     assert suspect["pod"] == "llm-pretrain-worker-1" and suspect["node"].startswith("hyperpod-i-")
-    assert alarm["job"] == {"kind": "PyTorchJob", "name": "llm-pretrain", "namespace": "demo"}
+    # ... and signed their uids, as the downward API gives a real pod (the operator compares them)
+    assert {k: alarm["job"][k] for k in ("kind", "name", "namespace")} == {
+        "kind": "PyTorchJob", "name": "llm-pretrain", "namespace": "demo"}
+    assert alarm["job"]["uid"] and suspect["pod_uid"] and alarm["drill"] is True
     assert alarm["suspect_window"] == {"first_step": 5, "last_step": 8} and alarm["last_good_checkpoint_step"] == 4
     # The real sidecar published it (moved to published/), and the operator acted on it.
     assert list((workdir / "spool" / "published").glob(f"{alarm['id']}*"))
