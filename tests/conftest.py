@@ -24,10 +24,6 @@ from sdcguard.sandbox.cluster import (ADMISSION_WEBHOOK, CLUSTER, GROUP, KUBECTL
                                       Sandbox, free_port, new_instance)
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "operator: runs the kopf operator against the Kubernetes and AWS emulators")
-
-
 class OperatorWorld(Sandbox):
     """The sandbox, with the helpers only tests need."""
 

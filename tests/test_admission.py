@@ -26,7 +26,7 @@ import sdcguard_operator.kube as operator_kube
 from sdcguard.sandbox.kube import SAR_PATH, start_emulator
 from test_webhook import WebhookOperator
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.emulator, pytest.mark.timeout(120)]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OPERATOR = "system:serviceaccount:sdcguard:sdcguard"

@@ -18,6 +18,8 @@ from sdcguard.sandbox.kube import start_emulator
 
 from sdcguard_operator import kubectl_plugin
 
+pytestmark = pytest.mark.emulator
+
 COLUMNS = ["NAMESPACE", "NAME", "JOB", "CHECK", "STEP", "SUSPECTS", "WINDOW", "RESUME-FROM", "SHA256", "AT-RISK",
            "DRILL", "PHASE", "AGE"]
 SHA = "ab12" * 16

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 from conftest import dump, free_port, make_alarm, new_instance
 
-pytestmark = pytest.mark.operator
+pytestmark = [pytest.mark.emulator, pytest.mark.operator]
 
 LEASE = dict(SDCGUARD_LEASE_SECONDS="3", SDCGUARD_RENEW_SECONDS="2")
 

@@ -17,7 +17,7 @@ from conftest import CLUSTER, GROUP, dump, make_alarm, new_instance
 
 from sdcguard.contract import alarm, events
 
-pytestmark = pytest.mark.operator
+pytestmark = [pytest.mark.emulator, pytest.mark.operator]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import time
 import pytest
 from conftest import dump, make_alarm, new_instance
 
-pytestmark = pytest.mark.operator
+pytestmark = [pytest.mark.emulator, pytest.mark.operator]
 
 
 def test_killed_after_every_phase_repeats_no_aws_call(make_world):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from conftest import dump, make_alarm, new_instance
 
-pytestmark = pytest.mark.operator
+pytestmark = [pytest.mark.emulator, pytest.mark.operator]
 
 
 @pytest.fixture(scope="module")

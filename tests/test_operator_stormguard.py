@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from conftest import make_alarm, new_instance
 
-pytestmark = pytest.mark.operator
+pytestmark = [pytest.mark.emulator, pytest.mark.operator]
 
 
 def _condition(incident: dict, type_: str) -> dict | None:

@@ -8,6 +8,8 @@ import pytest
 
 from sdcguard.sandbox.kube import start_emulator
 
+pytestmark = pytest.mark.emulator
+
 GROUP, VERSION, PLURAL = "sdcguard.dev", "v1", "nodereplacements"
 
 

@@ -32,7 +32,7 @@ from sdcguard.contract import spool
 from sdcguard.sidecar.publisher import Backoff
 from sdcguard.contract.stats import CheckStats
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.emulator, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")

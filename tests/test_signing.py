@@ -16,7 +16,7 @@ from test_sidecar import SecretVolume, Sidecar
 
 from sdcguard.contract import alarm, events, names, spool
 
-pytestmark = [pytest.mark.operator, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.emulator, pytest.mark.operator, pytest.mark.timeout(240)]
 
 NS = "keys"
 

@@ -15,7 +15,7 @@ from conftest import make_alarm, new_instance
 
 from sdcguard.contract import alarm
 
-pytestmark = pytest.mark.operator
+pytestmark = [pytest.mark.emulator, pytest.mark.operator]
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ import sdcguard_operator.webhook as webhook
 from sdcguard.contract import names
 from sdcguard.sandbox.kube import start_emulator, write_kubeconfig
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.emulator, pytest.mark.timeout(120)]
 
 IMAGE = "registry.example/sdcguard-agent:test"
 K8S_VERSION = "1.32.0"  # first version whose schema has native sidecars everywhere we care
