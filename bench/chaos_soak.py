@@ -3,7 +3,7 @@
     python bench/chaos_soak.py --seconds 300 --jobs 4 --suspects 6 --seed 1    # the long variant
     (tests/test_chaos.py runs a short one, tens of seconds, in CI)
 
-Real parts: the Kubernetes API emulator (sdcguard.sandbox.kube, with resourceVersion/409 and
+Real parts: the Kubernetes API emulator (sdcguard.sandbox.apiserver, with resourceVersion/409 and
 server-side fault injection), the SageMaker emulator (sdcguard.sandbox.sagemaker, with random faults),
 and two ``sdcguard operator`` processes with leader election.  While a stream of alarms arrives —
 valid ones for several jobs and nodes, duplicates of them, and invalid ones (unsigned, wrongly

@@ -28,7 +28,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from sdcguard.sandbox import kube as kube_emulator  # noqa: E402
+from sdcguard.sandbox import apiserver as kube_emulator  # noqa: E402
 import kubernetes  # noqa: E402
 from conftest import OperatorWorld, make_alarm, new_instance  # noqa: E402
 

@@ -21,7 +21,7 @@ from sdcguard.contract import names
 
 from . import kube, master_key, metrics
 from .settings import Settings
-from .signing import secret_name
+from .signature_check import secret_name
 
 
 def manifest(job: Mapping[str, Any], settings: Settings) -> dict[str, Any]:

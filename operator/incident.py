@@ -89,7 +89,7 @@ class NotVerified(Exception):
 def verify(body: dict[str, Any], settings: Settings) -> dict[str, Any]:
     """An incident counts only if the operator created it (its seal) from a signed alarm that still
     verifies, and its spec says what that alarm says (SPEC §9); returns the alarm record."""
-    from . import signing, validate  # signing imports validate, which must not import this module
+    from . import signature_check, validate  # signature_check imports validate, which must not import this module
     meta, spec = body["metadata"], body.get("spec") or {}
     namespace, name = meta["namespace"], meta["name"]
     if (spec.get("job") or {}).get("namespace") != namespace:
@@ -107,7 +107,7 @@ def verify(body: dict[str, Any], settings: Settings) -> dict[str, Any]:
         raise NotVerified("MalformedAlarm", str(exc)) from None
     if spec.get("alarmSignature"):
         try:
-            signing.verify(record, spec["alarmText"], spec["alarmSignature"], spec["jobUid"], settings)
+            signature_check.verify(record, spec["alarmText"], spec["alarmSignature"], spec["jobUid"], settings)
         except validate.Rejected as exc:
             raise NotVerified(exc.reason, exc.message) from None
     elif settings.require_signed_alarms:

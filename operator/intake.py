@@ -1,6 +1,6 @@
 """Alarm intake: an Event with reason SilentDataCorruption becomes an SDCIncident, or is rejected.
 
-The signature comes first (:mod:`.signing`): an unsigned Event, or one whose signature does not
+The signature comes first (:mod:`.signature_check`): an unsigned Event, or one whose signature does not
 match under the key of the named job (its live uid), is rejected before anything is written.
 Then the tenant boundary (SPEC §9): the record's ``job.uid`` and ``pod_uid`` are the live ones,
 its time is fresh, its id is not in the job's ledger (:mod:`.ledger`: an id counts once, also
@@ -22,7 +22,7 @@ import kopf
 
 from sdcguard.contract import names
 
-from . import incident, kube, ledger, metrics, signing, validate
+from . import incident, kube, ledger, metrics, signature_check, validate
 from .settings import Settings
 
 
@@ -48,13 +48,13 @@ def record(event: dict[str, Any], outcome: str) -> str:
 def _handle(event: dict[str, Any], settings: Settings, logger: logging.Logger | logging.LoggerAdapter) -> str:
     event_name = event["metadata"]["name"]
     try:
-        signature = signing.presented(event, settings, logger)
+        signature = signature_check.presented(event, settings, logger)
         record = validate.parse(event, settings)
         text = validate.annotation(event)
         job = validate.check_job(record, settings)
         job_uid = job["metadata"]["uid"]
         if signature is not None:
-            signing.verify(record, text, signature, job_uid, settings)
+            signature_check.verify(record, text, signature, job_uid, settings)
         validate.check_uids(record, job_uid, settings)
         validate.check_fresh(record, settings)
         namespace, name = record["job"]["namespace"], incident.incident_name(record)

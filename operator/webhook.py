@@ -51,7 +51,7 @@ from sdcguard.config import Config
 from sdcguard.contract import names
 
 from .validate import job_enabled
-from .signing import secret_name
+from .signature_check import secret_name
 
 log = logging.getLogger("sdcguard_operator.webhook")
 

@@ -23,7 +23,7 @@ import yaml
 
 import sdcguard_operator.admission as admission
 import sdcguard_operator.kube as operator_kube
-from sdcguard.sandbox.kube import SAR_PATH, start_emulator
+from sdcguard.sandbox.apiserver import SAR_PATH, start_emulator
 from test_webhook import WebhookOperator
 
 pytestmark = [pytest.mark.emulator, pytest.mark.timeout(120)]

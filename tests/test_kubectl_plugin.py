@@ -14,7 +14,7 @@ import sys
 import kubernetes
 import pytest
 from conftest import KUBECTL, make_alarm
-from sdcguard.sandbox.kube import start_emulator
+from sdcguard.sandbox.apiserver import start_emulator
 
 from sdcguard_operator import kubectl_plugin
 

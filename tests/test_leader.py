@@ -159,7 +159,7 @@ def test_leader_killed_at_random_points_acts_exactly_once(make_world):
 def test_lease_rules_one_holder_takeover_only_after_expiry_and_exit_on_loss(tmp_path, monkeypatch):
     """The Elector against the emulator's Lease, with clocks of our own: a follower waits out the
     lease from when it last saw the record change; a superseded leader exits."""
-    from sdcguard.sandbox.kube import start_emulator
+    from sdcguard.sandbox.apiserver import start_emulator
 
     from sdcguard_operator import kube, leader
     from sdcguard_operator.settings import Settings

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import kubernetes
 import pytest
 
-from sdcguard.sandbox.kube import start_emulator, write_kubeconfig
+from sdcguard.sandbox.apiserver import start_emulator, write_kubeconfig
 from sdcguard.contract import alarm
 from sdcguard.contract import events
 from sdcguard.contract import names

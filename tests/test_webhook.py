@@ -30,7 +30,7 @@ import pytest
 
 import sdcguard_operator.webhook as webhook
 from sdcguard.contract import names
-from sdcguard.sandbox.kube import start_emulator, write_kubeconfig
+from sdcguard.sandbox.apiserver import start_emulator, write_kubeconfig
 
 pytestmark = [pytest.mark.emulator, pytest.mark.timeout(120)]
 

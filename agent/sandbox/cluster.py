@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from ..child_process import die_with_parent
 from ..contract import names
-from .kube import start_emulator
+from .apiserver import start_emulator
 from .sagemaker import start_aws
 
 CLUSTER = "ml-cluster"

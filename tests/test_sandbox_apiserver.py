@@ -6,7 +6,7 @@ from __future__ import annotations
 import kubernetes
 import pytest
 
-from sdcguard.sandbox.kube import start_emulator
+from sdcguard.sandbox.apiserver import start_emulator
 
 pytestmark = pytest.mark.emulator
 

@@ -7,7 +7,7 @@ the test suite uses the same one (SPEC §8: real clients over HTTP; the server s
 
 Usage (any thread)::
 
-    from sdcguard.sandbox.kube import start_emulator
+    from sdcguard.sandbox.apiserver import start_emulator
 
     kube = start_emulator(workdir)                     # serves http://127.0.0.1:<port> in a thread
     kube.url                                           # "http://127.0.0.1:41234"
