@@ -1,4 +1,4 @@
-"""Admission of NodeReplacements (SPEC §6): who decided, whether they may, and a fixed target.
+"""Admission of NodeReplacements (docs/design.md §6): who decided, whether they may, and a fixed target.
 
 Modelled on cert-manager's CertificateRequest approval. The chart registers this handler as a
 mutating webhook with ``failurePolicy: Fail`` for CREATE and UPDATE of ``nodereplacements``

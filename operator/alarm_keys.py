@@ -1,4 +1,4 @@
-"""Per-job alarm keys (SPEC §4, §9): the Secret ``sdcguard-alarm-key-<job>`` of every enabled PyTorchJob.
+"""Per-job alarm keys (docs/design.md §4, §9): the Secret ``sdcguard-alarm-key-<job>`` of every enabled PyTorchJob.
 
 Type Opaque, data key ``key``: the job's key derived from the operator's master key and the job's
 namespace, name and uid (:mod:`.master_key`), owned by the job (the garbage collector deletes it

@@ -85,7 +85,7 @@ def _owner_of(value: str) -> tuple[str, str]:
 
 
 def full(taken: dict[str, str], namespace: str, job: str, settings: Settings) -> str | None:
-    """Which storm-guard limit a new slot of (namespace, job) would exceed, or None (SPEC §9: per
+    """Which storm-guard limit a new slot of (namespace, job) would exceed, or None (docs/design.md §9: per
     job and per namespace beside the cluster-wide one, so one tenant cannot take every slot)."""
     owners = [_owner_of(v) for v in taken.values()]
     if len(taken) >= settings.max_concurrent_suspect_nodes:

@@ -1,4 +1,4 @@
-"""SDCIncident: one per fault (job, check, step), and its containment flow (SPEC §6.3-6.4, 6.8).
+"""SDCIncident: one per fault (job, check, step), and its containment flow (docs/design.md §6.3-6.4, 6.8).
 
 Duplicate alarms of one fault (every rank reporting it, a resent Event) map to the same name, so
 the API server's create conflict is what joins them: no in-memory dedup to lose on restart.
@@ -88,7 +88,7 @@ class NotVerified(Exception):
 
 def verify(body: dict[str, Any], settings: Settings) -> dict[str, Any]:
     """An incident counts only if the operator created it (its seal) from a signed alarm that still
-    verifies, and its spec says what that alarm says (SPEC §9); returns the alarm record."""
+    verifies, and its spec says what that alarm says (docs/design.md §9); returns the alarm record."""
     from . import signature_check, validate  # signature_check imports validate, which must not import this module
     meta, spec = body["metadata"], body.get("spec") or {}
     namespace, name = meta["namespace"], meta["name"]

@@ -2,7 +2,7 @@
 
 The signature comes first (:mod:`.signature_check`): an unsigned Event, or one whose signature does not
 match under the key of the named job (its live uid), is rejected before anything is written.
-Then the tenant boundary (SPEC §9): the record's ``job.uid`` and ``pod_uid`` are the live ones,
+Then the tenant boundary (docs/design.md §9): the record's ``job.uid`` and ``pod_uid`` are the live ones,
 its time is fresh, its id is not in the job's ledger (:mod:`.ledger`: an id counts once, also
 after its incident is gone: ``ReplayedAlarm``), and every suspect pod is controlled by the job and
 runs on the node named, and is older than the alarm. A rejection is logged with its reason,

@@ -1,4 +1,4 @@
-"""The per-job ledger of alarm ids already handled (SPEC §9): an alarm counts once, for good.
+"""The per-job ledger of alarm ids already handled (docs/design.md §9): an alarm counts once, for good.
 
 A ConfigMap ``sdcguard-alarms-<job>`` in the job's namespace, owned by the job (the garbage
 collector removes it with the job, never with an incident), maps each alarm id to the Event that

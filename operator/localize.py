@@ -1,4 +1,4 @@
-"""Node name -> HyperPod instance id, cluster and instance group (SPEC §6.2).
+"""Node name -> HyperPod instance id, cluster and instance group (docs/design.md §6.2).
 
 HyperPod EKS nodes are named ``hyperpod-i-<instance id>``; other nodes are found through their
 ``providerID`` (``aws:///<zone>/i-...``) and, last, by matching the node's addresses against

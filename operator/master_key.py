@@ -1,4 +1,4 @@
-"""The operator's master key, and everything derived from it (SPEC §9, the tenant boundary).
+"""The operator's master key, and everything derived from it (docs/design.md §9, the tenant boundary).
 
 Each enabled job's alarm key is ``HMAC-SHA256(master, "alarm-key/v1\\0<namespace>\\0<job>\\0<uid>")``:
 the operator *writes* the key Secret ``sdcguard-alarm-key-<job>`` into the job's namespace but never

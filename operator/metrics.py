@@ -1,4 +1,4 @@
-"""Prometheus metrics of the operator (SPEC §7), prefix ``sdcguard_``."""
+"""Prometheus metrics of the operator (docs/design.md §7), prefix ``sdcguard_``."""
 from __future__ import annotations
 
 import prometheus_client as prom

@@ -1,4 +1,4 @@
-"""NodeReplacement: one cluster-scoped object per suspect node, and its flow (SPEC §6.5-6.7).
+"""NodeReplacement: one cluster-scoped object per suspect node, and its flow (docs/design.md §6.5-6.7).
 
 Phases: HealthCheck -> PendingApproval -> Replacing -> Replaced, or Denied / Failed.  Each AWS
 call writes an intent into the status before it is made and its outcome right after; a restarted
@@ -48,7 +48,7 @@ def seal(settings: Settings, name: str, target: dict[str, Any]) -> str:
 
 
 def ours(body: dict[str, Any], settings: Settings) -> bool:
-    """Created by this operator (SPEC §9: a NodeReplacement it did not create is never adopted)."""
+    """Created by this operator (docs/design.md §9: a NodeReplacement it did not create is never adopted)."""
     annotations = (body.get("metadata") or {}).get("annotations") or {}
     target = (body.get("status") or {}).get("target") or body.get("spec") or {}  # the recorded one, once there
     return master_key.sealed(settings, annotations.get(names.SEAL_ANNOTATION), "NodeReplacement",
@@ -160,7 +160,7 @@ def _decision(body: dict[str, Any], status: dict[str, Any], settings: Settings) 
     """The decision to act on, and the status: only one that ``spec.decision`` holds, that admission
     attributed (``spec.decidedBy``), and that the status agrees with (recorded here on first sight).
     A decision only in the status (a ``/status`` write passes no admission) or one nobody is
-    recorded for is never acted on (SPEC §9)."""
+    recorded for is never acted on (docs/design.md §9)."""
     name = body["metadata"]["name"]
     spec = body.get("spec") or {}
     recorded, wanted = approval.recorded(status), approval.requested(spec)

@@ -1,4 +1,4 @@
-"""Signed alarms, the operator's side (SPEC §4): check an alarm Event's signature first.
+"""Signed alarms, the operator's side (docs/design.md §4): check an alarm Event's signature first.
 
 A pod that may create Events must not be able to cordon nodes or suspend jobs, so an alarm counts
 only when its ``sdcguard.dev/alarm-signature`` is the HMAC-SHA256, under the named job's key, of

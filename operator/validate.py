@@ -1,4 +1,4 @@
-"""Validation of an alarm Event against the cluster (SPEC §6.1).
+"""Validation of an alarm Event against the cluster (docs/design.md §6.1).
 
 An alarm is acted on only if its record parses, its job is a PyTorchJob that opted in and is the
 instance the record names (uid), the record is fresh, and every pod it names exists, is controlled
@@ -99,7 +99,7 @@ def _check_strings(record: dict[str, Any]) -> None:
 
 def check_job(record: dict[str, Any], settings: Settings) -> dict[str, Any]:
     """The PyTorchJob of the alarm, which must exist, carry sdcguard.dev/enabled: "true", and be the
-    job instance the record was signed for (``job.uid``, SPEC §9)."""
+    job instance the record was signed for (``job.uid``, docs/design.md §9)."""
     job = record["job"]
     try:
         body = kube.custom().get_namespaced_custom_object(names.JOB_GROUP, names.JOB_VERSION, job["namespace"],
@@ -158,7 +158,7 @@ def controller_uid(pod: Any) -> str | None:
 def check_pods(record: dict[str, Any], job_uid: str, settings: Settings) -> None:
     """Every suspect pod (or, with no suspect, the reporter's) exists, is controlled by this very job
     (owner uid), runs on the node the alarm names, is the pod the alarm names (pod_uid), and was
-    created before the alarm was raised (SPEC §9): the blast radius is the job's own pods' nodes."""
+    created before the alarm was raised (docs/design.md §9): the blast radius is the job's own pods' nodes."""
     job = record["job"]
     at = alarm_schema.rfc3339_seconds(record["time"])
     identities = record["suspects"] or [record["reporter"]]

@@ -1,4 +1,4 @@
-"""The pod mutating webhook (SPEC §5, §9): wire sdcguard into the pods of an annotated PyTorchJob.
+"""The pod mutating webhook (docs/design.md §5, §9): wire sdcguard into the pods of an annotated PyTorchJob.
 
 A pod created by the training operator carries the label ``training.kubeflow.org/job-name`` but
 not its job's annotations, so the webhook reads the PyTorchJob itself through the API (a GET with a
@@ -9,7 +9,7 @@ admitted unchanged with a warning — the webhook never blocks pod creation, and
 ``sdcguard.dev/*`` annotations on the pod itself (from the replica's pod template) are honoured
 too and win over the job's.
 
-The tenant boundary (SPEC §9): only a pod whose controlling ownerReference is the live enabled
+The tenant boundary (docs/design.md §9): only a pod whose controlling ownerReference is the live enabled
 PyTorchJob (same name and uid) gets the sidecar — and with it the job's key; a pod with no owner,
 another owner or a stale uid gets nothing (and, with ``SDCGUARD_JOB_CONTROLLER_USERS``, only pods
 the training operator's user created). Every pod, enabled or not, loses each reference to an
@@ -24,7 +24,7 @@ An enabled pod gets: the ``sdcguard-sidecar`` container (a native sidecar: an in
 ``SDCGUARD_AUDIT_EVERY`` / ``SDCGUARD_WEIGHT_CHECK_EVERY`` from the annotations, a
 ``terminationGracePeriodSeconds`` of at least ``SDCGUARD_SIDECAR_GRACE_SECONDS`` (90; passed to
 the sidecar as ``--grace-period``, so it keeps publishing while the pod ends), and — in the
-sidecar container only — the job's alarm-signing key Secret ``sdcguard-alarm-key-<job>`` (SPEC §4;
+sidecar container only — the job's alarm-signing key Secret ``sdcguard-alarm-key-<job>`` (docs/design.md §4;
 ``optional``, so a pod whose key the operator has not written yet still starts, and the sidecar
 holds its records until the kubelet has put the key there). A bad value is a
 warning in the admission response and the library's default applies; never a rejection. The
@@ -176,7 +176,7 @@ def mutated(pod: Mapping[str, Any], job_annotations: Mapping[str, str] | None,
     (:func:`strip_key_references`). The sidecar goes only into a pod whose controlling
     ownerReference is the live PyTorchJob named by its job-name label (``job_uid``, read by the
     webhook; None when the job could not be read): no owner, another owner, or another uid, and the
-    pod gets no sidecar and so no key (SPEC §9). With ``SidecarSettings.job_controllers`` set, the
+    pod gets no sidecar and so no key (docs/design.md §9). With ``SidecarSettings.job_controllers`` set, the
     pod must also be created by one of those users (the training operator's service account, as
     the API server authenticated the request: ``creator``): an ownerReference can be written by
     anyone who may create pods and read the job's uid."""

@@ -58,7 +58,7 @@ class OperatorWorld(Sandbox):
     def alarm_event(self, namespace: str, record: dict[str, Any] | None = None, *, raw: str | None = None,
                     involved_pod: str = "unknown", sign: bool = True, key: bytes | None = None,
                     signature: str | None = None, uids: bool = True) -> str:
-        """Post an alarm Event the way the sidecar does (SPEC §4), signed with the named job's key
+        """Post an alarm Event the way the sidecar does (docs/design.md §4), signed with the named job's key
         (``key`` instead, ``signature`` as given, or unsigned with ``sign=False``); returns the
         Event's name. Text that names no job gets a well-formed signature no key makes. The record
         gets the live uids first (:meth:`with_uids`) unless ``uids=False``."""

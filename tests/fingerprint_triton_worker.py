@@ -1,4 +1,4 @@
-"""The fused kernel against the SPEC §3 reference, one printed line per case.
+"""The fused kernel against the docs/design.md §3 reference, one printed line per case.
 
 On CPU it runs under TRITON_INTERPRET=1 (set by tests/test_fingerprint_triton.py before Python
 starts); on a GPU machine `SDCGUARD_TEST_DEVICE=cuda` runs the same cases compiled

@@ -1,4 +1,4 @@
-"""Approval at admission (SPEC §6): AdmissionReviews for NodeReplacements over HTTPS to kopf's real
+"""Approval at admission (docs/design.md §6): AdmissionReviews for NodeReplacements over HTTPS to kopf's real
 admission server, exactly as the API server sends them, and the CRD's own validation rules.
 
 The operator runs in a thread with only the NodeReplacement admission handler registered. The

@@ -40,6 +40,17 @@ def train(guard, steps):
         guard.train_step(step, data(step))
 
 
+def save_twice(guard, ckpt):
+    """nanoGPT's pattern: one path, saved at step 2 (the audit at 0 passed) and again at step 5
+    (the audit at 3 passed: step 2 is covered, 3..5 are not)."""
+    train(guard, range(3))
+    guard.history.last_audited_step = 0
+    guard.save_checkpoint(ckpt)
+    train(guard, range(3, 6))
+    guard.history.last_audited_step = 3
+    guard.save_checkpoint(ckpt)
+
+
 def test_the_manifest_step_is_the_last_update_the_weights_hold(tmp_path):
     model, opt, guard = make()
     with pytest.raises(CheckpointError, match="no checked step has updated the weights"):
@@ -117,12 +128,7 @@ def test_one_path_written_again_keeps_the_resume_point_an_alarm_can_still_name(t
 def test_keeping_nothing_is_a_choice_and_the_alarm_then_names_nothing_overwritten(tmp_path):
     _, _, guard = make(keep_resume_points=False)
     ckpt = tmp_path / "ckpt.pt"
-    train(guard, range(3))
-    guard.history.last_audited_step = 0
-    guard.save_checkpoint(ckpt)
-    train(guard, range(3, 6))
-    guard.history.last_audited_step = 3
-    guard.save_checkpoint(ckpt)
+    save_twice(guard, ckpt)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "ckpt.pt.sdcguard.json"]
     assert recovery.recovery_fields("replay", 6, guard.history)["last_good_checkpoint"] is None
 
@@ -174,12 +180,7 @@ def test_verify_checkpoint_checks_the_step_and_bytes_the_alarm_named(tmp_path):
 def test_a_resumed_guard_inherits_the_kept_files_that_still_hold_their_step(tmp_path):
     _, _, guard = make()
     ckpt = tmp_path / "ckpt.pt"
-    train(guard, range(3))
-    guard.history.last_audited_step = 0
-    guard.save_checkpoint(ckpt)
-    train(guard, range(3, 6))
-    guard.history.last_audited_step = 3
-    guard.save_checkpoint(ckpt)
+    save_twice(guard, ckpt)
     _, _, resumed = make()
     assert resumed.load_checkpoint(ckpt) == 5
     assert resumed.checkpoints == [(2, str(tmp_path / "ckpt.sdcguard-step2.pt")), (5, str(ckpt))]

@@ -1,4 +1,4 @@
-"""The fingerprint against the SPEC §3 definition: hand-computed vectors, every dtype, odd shapes."""
+"""The fingerprint against the docs/design.md §3 definition: hand-computed vectors, every dtype, odd shapes."""
 import os
 import subprocess
 import sys

@@ -1,4 +1,4 @@
-"""The fused Triton fingerprint kernel, bit for bit against the SPEC §3 definition.
+"""The fused Triton fingerprint kernel, bit for bit against the docs/design.md §3 definition.
 
 No GPU here: the kernel runs in Triton's CPU interpreter, in a subprocess because TRITON_INTERPRET
 must be set before triton is imported. The same kernel source is what a GPU compiles."""

@@ -1,4 +1,4 @@
-"""The sidecar (`sdcguard sidecar`, SPEC §4/§7) as a real process against kmock over HTTP.
+"""The sidecar (`sdcguard sidecar`, docs/design.md §4/§7) as a real process against kmock over HTTP.
 
 Records are written by the library's own spool writer; Events are read back through the official
 client. "API server down" is a real outage: the sidecar's kubeconfig points at a port where

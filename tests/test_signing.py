@@ -1,4 +1,4 @@
-"""Signed alarms end to end (SPEC §4): the operator's per-job key Secrets, the library's spool record
+"""Signed alarms end to end (docs/design.md §4): the operator's per-job key Secrets, the library's spool record
 signed by the real sidecar process with the key the operator made, verified by the real operator,
 key rotation, and ``SDCGUARD_REQUIRE_SIGNED_ALARMS=false``.
 

@@ -1,4 +1,4 @@
-"""The tenant boundary (SPEC §9, issue 20): a job's alarm can touch only that job's own nodes.
+"""The tenant boundary (docs/design.md §9, issue 20): a job's alarm can touch only that job's own nodes.
 
 One world (emulators + the real operator, admission on) serves the module; each test has its own
 namespaces, jobs and nodes. Every test is an attack from the issue: its docstring says what the

@@ -1,4 +1,4 @@
-"""The pod mutating webhook (SPEC §5): AdmissionReviews over HTTPS to kopf's real admission server.
+"""The pod mutating webhook (docs/design.md §5): AdmissionReviews over HTTPS to kopf's real admission server.
 
 The operator runs in a thread with a registry holding only the webhook's handlers (plus a login
 handler for the emulator), configured the way the chart configures it: a certificate directory,

@@ -1,10 +1,10 @@
-"""An alarm record as the core ``v1`` Event that SPEC §4 defines (built here, posted by the sidecar).
+"""An alarm record as the core ``v1`` Event that docs/design.md §4 defines (built here, posted by the sidecar).
 
 The Event's name is a pure function of the alarm id, so a sidecar that crashed after the API
 server stored the Event but before it moved the record out of the spool collides with its own
 earlier Event (HTTP 409) instead of publishing a duplicate.
 
-Signed alarms (SPEC §4): the sidecar adds ``sdcguard.dev/alarm-signature: v1=<hex HMAC-SHA256(key,
+Signed alarms (docs/design.md §4): the sidecar adds ``sdcguard.dev/alarm-signature: v1=<hex HMAC-SHA256(key,
 UTF-8 bytes of the sdcguard.dev/alarm annotation value)>`` with the job's key; the operator checks
 it with :func:`signature_matches` (constant time) before it acts on anything. Standard library only.
 """
@@ -49,7 +49,7 @@ def event_namespace(record: Mapping[str, Any], fallback: str) -> str:
 
 
 def involved_pod(record: Mapping[str, Any]) -> str | None:
-    """The first suspect's pod, else the reporter's pod (SPEC §4); None outside Kubernetes."""
+    """The first suspect's pod, else the reporter's pod (docs/design.md §4); None outside Kubernetes."""
     for suspect in record.get("suspects") or []:
         if suspect.get("pod"):
             return suspect["pod"]

@@ -17,14 +17,14 @@ JOB_API_VERSION = f"{JOB_GROUP}/{JOB_VERSION}"
 JOB_NAME_LABEL = "training.kubeflow.org/job-name"
 """Set by the Kubeflow training operator on every pod of a PyTorchJob."""
 
-# -- the alarm Event (SPEC §4) -------------------------------------------------------------------
+# -- the alarm Event (docs/design.md §4) -------------------------------------------------------------------
 EVENT_REASON = "SilentDataCorruption"
 EVENT_COMPONENT = "sdcguard-agent"
 ALARM_ANNOTATION = f"{GROUP}/alarm"
 ALARM_SIGNATURE_ANNOTATION = f"{GROUP}/alarm-signature"
 CHECK_LABEL = f"{GROUP}/check"
 
-# -- enabling a job, and what the webhook adds (SPEC §5) -----------------------------------------
+# -- enabling a job, and what the webhook adds (docs/design.md §5) -----------------------------------------
 ENABLED_ANNOTATION = f"{GROUP}/enabled"
 AUDIT_EVERY_ANNOTATION = f"{GROUP}/audit-every"
 WEIGHT_CHECK_EVERY_ANNOTATION = f"{GROUP}/weight-check-every"
@@ -36,7 +36,7 @@ SIDECAR_METRICS_PORT = 9464
 SIDECAR_METRICS_PORT_NAME = "sdc-metrics"
 """The sidecar's container port name; the chart's PodMonitor scrapes it by this name."""
 ALARM_KEY_SECRET_PREFIX = "sdcguard-alarm-key-"
-"""Per job: the Secret ``sdcguard-alarm-key-<job name>`` (SPEC §4), created by the operator."""
+"""Per job: the Secret ``sdcguard-alarm-key-<job name>`` (docs/design.md §4), created by the operator."""
 ALARM_KEY_DATA_KEY = "key"
 ALARM_KEY_MIN_BYTES = 32
 ALARM_KEY_VOLUME = "sdcguard-alarm-key"
@@ -84,7 +84,7 @@ DOWNWARD_API = {ENV_POD_NAME: "metadata.name", ENV_POD_NAMESPACE: "metadata.name
 POD_UID_FIELD = "metadata.uid"
 """The downward-API field the webhook maps to ``POD_UID`` (beside ``DOWNWARD_API``)."""
 
-# -- the tenant boundary (SPEC §9) ------------------------------------------------------------------
+# -- the tenant boundary (docs/design.md §9) ------------------------------------------------------------------
 MASTER_KEY_SECRET = "sdcguard-master-key"
 """The operator's master key (operator namespace); each job's alarm key is derived from it."""
 ALARM_LEDGER_PREFIX = "sdcguard-alarms-"

@@ -3,7 +3,7 @@
 A SANDBOX, never a production path: no RBAC on ordinary requests, no TLS, no persistence, no
 schema validation. It exists so that ``sdcguard sandbox`` / ``make demo`` can run the real operator,
 sidecar, kubectl and ``kubectl sdcguard`` against something that answers like an API server, and
-the test suite uses the same one (SPEC §8: real clients over HTTP; the server side is adapted).
+the test suite uses the same one (docs/design.md §8: real clients over HTTP; the server side is adapted).
 
 Usage (any thread)::
 

@@ -2,7 +2,7 @@
 
 Two kinds of metrics: the publisher's own (alarms published, errors, quarantined files, spool
 backlog), kept in a private registry, and the training ranks' check statistics, read from
-``<spool>/stats/rank-<r>.json`` at scrape time (the library writes them; SPEC §7). Reading at
+``<spool>/stats/rank-<r>.json`` at scrape time (the library writes them; docs/design.md §7). Reading at
 scrape time means a restarted sidecar reports the ranks' totals at once, with no state of its own.
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """``sdcguard sidecar``: publish spooled alarm records as Kubernetes Events; serve metrics.
 
-The training process never talks to the API server (SPEC §4): it leaves each alarm record in the
+The training process never talks to the API server (docs/design.md §4): it leaves each alarm record in the
 spool (an ``emptyDir`` shared with this container). This loop turns every record into the Event
-SPEC §4 defines and only then moves the file to ``<spool>/published/``: a record stays in the spool
+docs/design.md §4 defines and only then moves the file to ``<spool>/published/``: a record stays in the spool
 until an Event exists for it, so nothing is lost while the API server is slow or down. The Event
 name is derived from the alarm id, so a retry after a crash is answered 409 ("already there") and
 counts as published: no duplicates. A file that is not a valid record (corrupt, or written by
@@ -11,7 +11,7 @@ something that does not write atomically and has stopped changing) is moved to
 record whose Event the API server rejects as invalid (400/413/422), so it cannot block the others.
 Published records are kept in ``published/`` (not deleted) as an audit trail for the pod's life.
 
-Every Event is signed (SPEC §4) with the job's key from the mounted Secret (``--key-file``,
+Every Event is signed (docs/design.md §4) with the job's key from the mounted Secret (``--key-file``,
 :mod:`.signing`), reread when it changes. Without a usable key the records wait in the spool
 (``sdcguard_sidecar_publish_errors_total{reason="no-key"}``) — unless ``--allow-unsigned``, for an
 operator that runs with ``SDCGUARD_REQUIRE_SIGNED_ALARMS=false``.

@@ -1,7 +1,7 @@
 """The job's alarm-signing key, as the sidecar sees it: a file from the mounted Secret.
 
 The operator creates the Secret ``sdcguard-alarm-key-<job>`` and the pod webhook mounts it into
-this container only (SPEC §4). The kubelet replaces a Secret volume's files atomically (a new
+this container only (docs/design.md §4). The kubelet replaces a Secret volume's files atomically (a new
 directory behind a symlink) when the Secret changes, so the file is stat'ed before every pass and
 read again whenever it is a different file or has changed: a rotated key is used from the first
 pass after the kubelet has updated the volume. A key that is missing, unreadable or shorter than
