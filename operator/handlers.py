@@ -19,14 +19,14 @@ from .settings import Settings
 
 SETTINGS: Settings = Settings()
 """The settings the handlers act on: set once at start by :func:`register` (see :mod:`.main`)."""
-ALARM_FILTER = dict(field="reason", value=names.EVENT_REASON)
 #: The threads the (synchronous) handlers run in, ours so that a stopping replica can wait for the
 #: ones still running (an AWS call in flight) before it hands the Lease over (:mod:`.cli`).
 EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="sdcguard-handler")
 
 
 def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
-    """Server-side field selector for alarm Events (client-side filter below too); quiet kopf Events."""
+    """A server-side field selector for alarm Events (the cluster's other Events cost nothing);
+    quiet kopf Events; the handler threads; progress kept in annotations."""
     settings.watching.field_selectors["v1", "events"] = f"reason={names.EVENT_REASON}"
     settings.posting.level = logging.WARNING
     settings.execution.executor = EXECUTOR
@@ -95,7 +95,7 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, *, with_login:
              when=_wants_key)(job_alarm_key)
     kopf.timer(names.JOB_GROUP, names.JOB_VERSION, names.JOB_PLURAL, registry=registry, id="job_alarm_key_recheck",
                interval=SETTINGS.key_recheck_seconds, when=_wants_key)(job_alarm_key_recheck)
-    on.create("v1", "events", **ALARM_FILTER, registry=registry, id="alarm_event", backoff=SETTINGS.retry_seconds,
+    on.create("v1", "events", registry=registry, id="alarm_event", backoff=SETTINGS.retry_seconds,
               retries=20)(alarm_event)
     for decorator in (on.resume, on.create):
         decorator(names.GROUP, names.VERSION, names.INCIDENTS, registry=registry, id="incident_contain",

@@ -31,7 +31,7 @@ and optimistic concurrency on it: a patch carrying a stale ``metadata.resourceVe
 409 Conflict (a JSON-patch ``test`` of a stale one answers 422, as kopf expects); core discovery says ``v1``;
 lists carry ``kind``/``apiVersion``; watch streams are served as JSON lines.
 Added: server-side printing (``kubectl get`` shows the printer columns of deploy/crds);
-equality field/label selectors on list and watch (``SELECTORS_HONOURED``); object requests
+equality field/label selectors on list and watch, as a real API server applies them; object requests
 are served straight from the store (kmock's reaction matching costs time proportional to all past
 requests, which a flood of Events turns into seconds per request), so kmock reactions do not
 apply to them: to make the server refuse a request use ``kube.reject("POST", path, 422)``.
@@ -88,10 +88,6 @@ import kmock
 from kmock._internal import dicts, enums, rendering
 
 ALL_VERBS = ("get", "list", "watch", "create", "update", "patch", "delete")
-
-#: Whether list/watch honour equality field and label selectors (a real API server does).  Set it
-#: to False to reproduce plain kmock, which ignores them (clients must filter on their own too).
-SELECTORS_HONOURED = True
 
 #: plural path -> (kind, namespaced, short names, subresources)
 RESOURCES: dict[str, tuple[str, bool, tuple[str, ...], tuple[str, ...]]] = {
@@ -495,9 +491,7 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
 
 
 def _selector(request: rendering.Request) -> Callable[[dict[str, Any]], bool]:
-    """Equality-based ``fieldSelector`` / ``labelSelector`` (``a=b``, ``a==b``, ``a!=b``, ``key``), if honoured."""
-    if not SELECTORS_HONOURED:
-        return lambda obj: True
+    """Equality-based ``fieldSelector`` / ``labelSelector`` (``a=b``, ``a==b``, ``a!=b``, ``key``)."""
     terms: list[tuple[Callable[[dict[str, Any]], Any], str, str | None]] = []
     for param, getter in (("fieldSelector", _field), ("labelSelector", _label)):
         for term in filter(None, (request.params.get(param) or "").split(",")):
