@@ -36,8 +36,17 @@ class AwsError(Exception):
         self.operation, self.code, self.message = operation, code, message
 
 
-class Throttled(AwsError):
-    """Not yet: the same call may succeed later (throttling, connection trouble, 5xx)."""
+class Transient(AwsError):
+    """Not yet: the same call may succeed later; it may also have taken effect (ask first)."""
+
+
+class Throttled(Transient):
+    """SageMaker asked us to slow down (a throttling code): retried within the throttle budget."""
+
+
+class Unavailable(Transient):
+    """SageMaker could not answer (5xx, an internal error, a connection failure or timeout):
+    retried within its own budget, so an outage does not use up the throttle budget."""
 
 
 class NodeNotFound(AwsError):
@@ -64,14 +73,16 @@ def _call(settings: Settings, operation: str, **params: Any) -> dict[str, Any]:
         code, message = error.get("Code", "Unknown"), error.get("Message", str(exc))
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         metrics.AWS_ERRORS.labels(operation, code).inc()
-        if code in THROTTLING_CODES or code in TRANSIENT_CODES or status >= 500:
+        if code in THROTTLING_CODES:
             raise Throttled(operation, code, message) from None
+        if code in TRANSIENT_CODES or status >= 500:
+            raise Unavailable(operation, code, message) from None
         if code == "ResourceNotFound" or "could not find node" in message.lower():
             raise NodeNotFound(operation, code, message) from None
         raise AwsError(operation, code, message) from None
     except (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError) as exc:
         metrics.AWS_ERRORS.labels(operation, type(exc).__name__).inc()
-        raise Throttled(operation, type(exc).__name__, str(exc)) from None
+        raise Unavailable(operation, type(exc).__name__, str(exc)) from None
 
 
 def _snake(operation: str) -> str:

@@ -391,7 +391,7 @@ def _open_replacements(namespace: str, name: str, ref: str, status: dict[str, An
         except localize.NotLocalized as exc:
             _record(namespace, name, "NotLocalized", str(exc), nodes={node: {"localizeError": str(exc)}})
             continue
-        except hyperpod.Throttled as exc:
+        except hyperpod.Transient as exc:
             raise kopf.TemporaryError(f"localizing {node}: {exc}", delay=settings.retry_seconds) from None
         except hyperpod.AwsError as exc:
             _record(namespace, name, "NotLocalized", str(exc), nodes={node: {"localizeError": str(exc)}})

@@ -306,21 +306,27 @@ def _claim_attempt(body: dict[str, Any], key: str, seen: dict[str, Any]) -> None
         raise kopf.TemporaryError(f"{key}: the NodeReplacement changed meanwhile; reading it again", delay=0.5)
 
 
-def _transient(body: dict[str, Any], status: dict[str, Any], key: str, exc: hyperpod.AwsError,
+def _transient(body: dict[str, Any], status: dict[str, Any], key: str, exc: hyperpod.Transient,
                settings: Settings) -> None:
-    """A transient failure (throttling, 5xx, InternalServerError, timeout): the attempt is no longer
-    in flight, but may have taken effect; the next try asks DescribeClusterNode first."""
-    attempts = int((status.get(key) or {}).get("attempts", 0)) + 1
+    """A transient failure (throttled, or SageMaker unavailable: 5xx, InternalServerError, a
+    timeout): the attempt is no longer in flight, but may have taken effect; the next try asks
+    DescribeClusterNode first. Each kind is counted against its own budget."""
+    state = status.get(key) or {}
+    attempts = int(state.get("attempts", 0)) + 1
+    kind, budget = (("throttled", settings.max_throttle_retries) if isinstance(exc, hyperpod.Throttled)
+                    else ("unavailable", settings.max_unavailable_retries))
+    count = int(state.get(kind, 0)) + 1
     delay = settings.backoff(attempts)
-    _note(body, "Throttled", f"{exc}; attempt {attempts}/{settings.max_throttle_retries + 1}, checking "
+    _note(body, kind.capitalize(), f"{exc}; {kind} {count}/{budget + 1}, checking "
           f"DescribeClusterNode before retrying in {delay:g}s",
-          **{key: {"attemptedBy": None, "lastError": exc.code, "throttled": attempts}})
+          **{key: {"attemptedBy": None, "lastError": exc.code, kind: count}})
     raise kopf.TemporaryError(str(exc), delay=delay)
 
 
 def _gave_up(body: dict[str, Any], status: dict[str, Any], key: str, operation: str, settings: Settings) -> bool:
     state = status.get(key) or {}
-    if int(state.get("attempts", 0)) <= settings.max_throttle_retries:
+    if int(state.get("throttled", 0)) <= settings.max_throttle_retries and \
+            int(state.get("unavailable", 0)) <= settings.max_unavailable_retries:
         return False
     error = state.get("lastError") or "Unknown"
     _phase(body, "Failed", "GaveUp", f"{operation} still failing after {state.get('attempts')} attempts "
@@ -353,7 +359,7 @@ def _health_check(body: dict[str, Any], status: dict[str, Any], settings: Settin
         _claim_attempt(body, "healthCheck", check)  # intent, before the call
         try:
             hyperpod.start_health_check(settings, spec["clusterName"], spec["instanceGroup"], spec["instanceId"])
-        except hyperpod.Throttled as exc:
+        except hyperpod.Transient as exc:
             _transient(body, status, "healthCheck", exc, settings)
         except hyperpod.AwsError as exc:
             return _phase(body, "PendingApproval", "HealthCheckNotRun", str(exc),
@@ -364,7 +370,7 @@ def _health_check(body: dict[str, Any], status: dict[str, Any], settings: Settin
                                   "checks": list(settings.deep_health_checks)})
     try:
         details = hyperpod.describe_node(settings, spec["clusterName"], spec["instanceId"])
-    except hyperpod.Throttled as exc:
+    except hyperpod.Transient as exc:
         raise kopf.TemporaryError(str(exc), delay=settings.retry_seconds) from None
     state = details.get("InstanceStatus") or {}
     polls = int(check.get("polls", 0)) + 1
@@ -389,7 +395,7 @@ def _describe_status(status: dict[str, Any], settings: Settings) -> str:
                 or {}).get("Status", "")
     except hyperpod.NodeNotFound:
         return "NotFound"
-    except hyperpod.Throttled as exc:
+    except hyperpod.Transient as exc:
         raise kopf.TemporaryError(str(exc), delay=settings.retry_seconds) from None
 
 
@@ -413,7 +419,7 @@ def _replace(body: dict[str, Any], status: dict[str, Any], settings: Settings) -
     _claim_attempt(body, "replace", replace)  # intent, before the call
     try:
         ok, code, message = hyperpod.replace(settings, spec["clusterName"], spec["instanceId"])
-    except hyperpod.Throttled as exc:
+    except hyperpod.Transient as exc:
         _transient(body, status, "replace", exc, settings)
     except hyperpod.AwsError as exc:
         ok, code, message = False, exc.code, exc.message
@@ -421,7 +427,7 @@ def _replace(body: dict[str, Any], status: dict[str, Any], settings: Settings) -
         return _phase(body, "Replacing", "ReplaceRequested", f"BatchReplaceClusterNodes accepted {spec['instanceId']}",
                       replace={"requestedAt": kube.now(), "attemptedBy": None})
     if code in hyperpod.TRANSIENT_CODES:
-        _transient(body, status, "replace", hyperpod.Throttled("BatchReplaceClusterNodes", code, message), settings)
+        _transient(body, status, "replace", hyperpod.Unavailable("BatchReplaceClusterNodes", code, message), settings)
     if code in WAIT_CODES:
         waits = int(replace.get("waits", 0)) + 1
         _note(body, "ReplaceWaiting", f"{code}: {message}; waiting",

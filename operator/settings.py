@@ -44,6 +44,9 @@ class Settings:
     """SDCGUARD_RETRY_MAX_SECONDS: cap of the exponential backoff."""
     max_throttle_retries: int = 8
     """SDCGUARD_MAX_THROTTLE_RETRIES: throttled attempts of one AWS action before giving up."""
+    max_unavailable_retries: int = 8
+    """SDCGUARD_MAX_UNAVAILABLE_RETRIES: attempts of one AWS action that found SageMaker
+    unavailable (5xx, internal errors, timeouts) before giving up."""
     storm_guard_recheck_seconds: float = 60.0
     """SDCGUARD_STORM_GUARD_RECHECK_SECONDS: how often an incident held by the storm guard retries."""
     aws_connect_timeout: float = 5.0
@@ -116,6 +119,7 @@ class Settings:
             retry_seconds=_float(env, "SDCGUARD_RETRY_SECONDS", 5.0),
             retry_max_seconds=_float(env, "SDCGUARD_RETRY_MAX_SECONDS", 300.0),
             max_throttle_retries=_int(env, "SDCGUARD_MAX_THROTTLE_RETRIES", 8),
+            max_unavailable_retries=_int(env, "SDCGUARD_MAX_UNAVAILABLE_RETRIES", 8),
             storm_guard_recheck_seconds=_float(env, "SDCGUARD_STORM_GUARD_RECHECK_SECONDS", 60.0),
             aws_connect_timeout=_float(env, "SDCGUARD_AWS_CONNECT_TIMEOUT", 5.0),
             aws_read_timeout=_float(env, "SDCGUARD_AWS_READ_TIMEOUT", 20.0),
