@@ -13,7 +13,7 @@ from typing import Mapping
 
 import kopf
 
-from . import admission, handlers, webhook
+from . import admission, handlers, pod_mutation, webhook
 from .settings import Settings
 
 
@@ -26,7 +26,7 @@ def load_settings(env: Mapping[str, str] | None = None, *, prog: str = "sdcguard
     env = os.environ if env is None else env
     try:
         settings = Settings.from_env(env)
-        webhook.SidecarSettings.from_env(env)
+        pod_mutation.SidecarSettings.from_env(env)
     except ValueError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         raise BadSettings(2) from None

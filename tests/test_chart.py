@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 import sdcguard_operator.admission as admission
+import sdcguard_operator.pod_mutation as pod_mutation
 import sdcguard_operator.webhook as webhook
 from sdcguard.contract import names
 
@@ -365,7 +366,7 @@ def test_example_objects_follow_the_crd_schemas(example: str, crd: str) -> None:
 def test_example_pytorchjob_is_enabled_and_its_mutated_pods_are_valid() -> None:
     job = yaml.safe_load((DEPLOY / "examples" / "pytorchjob.yaml").read_text())
     annotations = job["metadata"]["annotations"]
-    how, warnings = webhook.plan(job["metadata"]["name"], annotations)
+    how, warnings = pod_mutation.plan(job["metadata"]["name"], annotations)
     assert how is not None and warnings == []
     for replica, spec in job["spec"]["pytorchReplicaSpecs"].items():
         uid = "0b1d0000-0000-4000-8000-000000000001"  # the job's, as the API server gave it
@@ -375,7 +376,7 @@ def test_example_pytorchjob_is_enabled_and_its_mutated_pods_are_valid() -> None:
             "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": job["metadata"]["name"],
                                  "uid": uid, "controller": True, "blockOwnerDeletion": True}]},
             "spec": spec["template"]["spec"]}
-        mutated, notes = webhook.mutated(pod, annotations, webhook.SidecarSettings(), uid)
+        mutated, notes = pod_mutation.mutated(pod, annotations, pod_mutation.SidecarSettings(), uid)
         assert mutated is not None and notes == []
         kubernetes_validate.validate(mutated, K8S_VERSION, strict=True)
 

@@ -147,17 +147,17 @@ def test_crds_have_schema_status_and_printer_columns(path):
 
 
 def test_injected_pods_get_a_grace_period_the_sidecar_knows_and_never_a_shorter_one() -> None:
-    from sdcguard_operator import webhook
+    from sdcguard_operator import pod_mutation
 
-    def injected(grace: int | None, settings: webhook.SidecarSettings) -> dict:
+    def injected(grace: int | None, settings: pod_mutation.SidecarSettings) -> dict:
         pod = {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "train", "image": "t"}]}}
         if grace is not None:
             pod["spec"]["terminationGracePeriodSeconds"] = grace
-        how, _ = webhook.plan("llm", {"sdcguard.dev/enabled": "true"})
-        webhook.inject(pod, how=how, sidecar=settings)
+        how, _ = pod_mutation.plan("llm", {"sdcguard.dev/enabled": "true"})
+        pod_mutation.inject(pod, how=how, sidecar=settings)
         return pod
 
-    default = webhook.SidecarSettings()
+    default = pod_mutation.SidecarSettings()
     pod = injected(None, default)
     [sidecar] = [c for c in pod["spec"]["initContainers"] if c["name"] == "sdcguard-sidecar"]
     assert pod["spec"]["terminationGracePeriodSeconds"] == 90
@@ -166,7 +166,7 @@ def test_injected_pods_get_a_grace_period_the_sidecar_knows_and_never_a_shorter_
     assert longer["spec"]["terminationGracePeriodSeconds"] == 600
     [sidecar] = [c for c in longer["spec"]["initContainers"] if c["name"] == "sdcguard-sidecar"]
     assert sidecar["args"][sidecar["args"].index("--grace-period") + 1] == "600"
-    env = webhook.SidecarSettings.from_env({"SDCGUARD_SIDECAR_GRACE_SECONDS": "120"})
+    env = pod_mutation.SidecarSettings.from_env({"SDCGUARD_SIDECAR_GRACE_SECONDS": "120"})
     assert injected(30, env)["spec"]["terminationGracePeriodSeconds"] == 120
 
 

@@ -28,6 +28,7 @@ import kubernetes
 import kubernetes_validate
 import pytest
 
+import sdcguard_operator.pod_mutation as pod_mutation
 import sdcguard_operator.webhook as webhook
 from sdcguard.contract import names
 from sdcguard.sandbox.apiserver import start_emulator, write_kubeconfig
@@ -309,7 +310,7 @@ def test_no_container_but_the_sidecar_can_reach_a_key_secret_by_any_name() -> No
     containers; the pod template's own secret or projected volume of sdcguard-alarm-key-<job>
     (any volume name), an env secretKeyRef or an envFrom secretRef left the key readable by the
     training container. Now each is removed, in every pod the webhook sees (enabled or not)."""
-    settings = webhook.SidecarSettings(image=IMAGE)
+    settings = pod_mutation.SidecarSettings(image=IMAGE)
     for enabled in (True, False):
         pod = job_pod("llm" if enabled else "plain")
         spec = pod["spec"]
@@ -324,7 +325,7 @@ def test_no_container_but_the_sidecar_can_reach_a_key_secret_by_any_name() -> No
         train["envFrom"] = [{"secretRef": {"name": "sdcguard-alarm-key-llm"}}, {"configMapRef": {"name": "x"}}]
         spec["initContainers"] = [{"name": names.SIDECAR_CONTAINER, "image": "evil:1",
                                    "volumeMounts": [{"name": "mine", "mountPath": "/k"}]}]
-        out, warnings = webhook.mutated(pod, {"sdcguard.dev/enabled": "true"} if enabled else {}, settings,
+        out, warnings = pod_mutation.mutated(pod, {"sdcguard.dev/enabled": "true"} if enabled else {}, settings,
                                         UIDS.get("llm") if enabled else None)
         assert out is not None and len(warnings) >= 5, warnings
         text = json.dumps([c for c in out["spec"]["containers"]]
@@ -369,7 +370,7 @@ def test_a_training_container_cannot_claim_the_key_volume_by_name() -> None:
     pod = job_pod("llm")
     pod["spec"]["volumes"] = [{"name": names.ALARM_KEY_VOLUME, "emptyDir": {}}]
     pod["spec"]["containers"][0]["volumeMounts"] = [{"name": names.ALARM_KEY_VOLUME, "mountPath": "/stolen"}]
-    out, _ = webhook.mutated(pod, {"sdcguard.dev/enabled": "true"}, webhook.SidecarSettings(image=IMAGE),
+    out, _ = pod_mutation.mutated(pod, {"sdcguard.dev/enabled": "true"}, pod_mutation.SidecarSettings(image=IMAGE),
                              pod["metadata"]["ownerReferences"][0]["uid"])
     assert out is not None
     assert [v for v in out["spec"]["volumes"] if v["name"] == names.ALARM_KEY_VOLUME] == [
@@ -379,15 +380,15 @@ def test_a_training_container_cannot_claim_the_key_volume_by_name() -> None:
 
 
 def test_plan_and_inject_are_pure_and_idempotent() -> None:
-    settings = webhook.SidecarSettings(image=IMAGE)
+    settings = pod_mutation.SidecarSettings(image=IMAGE)
     pod = job_pod("llm")
     before = copy.deepcopy(pod)
     uid = pod["metadata"]["ownerReferences"][0]["uid"]
-    out, warnings = webhook.mutated(pod, {"sdcguard.dev/enabled": "true"}, settings, uid)
+    out, warnings = pod_mutation.mutated(pod, {"sdcguard.dev/enabled": "true"}, settings, uid)
     assert out is not None and warnings == [] and pod == before  # the input is not touched
-    again, _ = webhook.mutated(out, {"sdcguard.dev/enabled": "true"}, settings, uid)
+    again, _ = pod_mutation.mutated(out, {"sdcguard.dev/enabled": "true"}, settings, uid)
     assert again == out
-    off, warnings = webhook.mutated(pod, {"sdcguard.dev/enabled": "yes"}, settings, uid)
+    off, warnings = pod_mutation.mutated(pod, {"sdcguard.dev/enabled": "yes"}, settings, uid)
     assert off is None and "neither" in warnings[0]
 
 
@@ -408,12 +409,12 @@ def test_with_job_controllers_set_only_their_pods_get_the_sidecar() -> None:
     configured (SDCGUARD_JOB_CONTROLLER_USERS, chart webhook.jobControllerUsers), the pod must also
     be created by it, as the API server authenticated the request."""
     controller = "system:serviceaccount:kubeflow:training-operator"
-    settings = webhook.SidecarSettings(image=IMAGE, job_controllers=(controller,))
-    assert webhook.SidecarSettings.from_env({"SDCGUARD_JOB_CONTROLLER_USERS": f"{controller}, other"}).job_controllers \
+    settings = pod_mutation.SidecarSettings(image=IMAGE, job_controllers=(controller,))
+    assert pod_mutation.SidecarSettings.from_env({"SDCGUARD_JOB_CONTROLLER_USERS": f"{controller}, other"}).job_controllers \
         == (controller, "other")
     pod = job_pod("llm", 21)
     uid = pod["metadata"]["ownerReferences"][0]["uid"]
-    out, warnings = webhook.mutated(pod, {"sdcguard.dev/enabled": "true"}, settings, uid, controller)
+    out, warnings = pod_mutation.mutated(pod, {"sdcguard.dev/enabled": "true"}, settings, uid, controller)
     assert out is not None and warnings == []
-    forged, warnings = webhook.mutated(pod, {"sdcguard.dev/enabled": "true"}, settings, uid, "mallory")
+    forged, warnings = pod_mutation.mutated(pod, {"sdcguard.dev/enabled": "true"}, settings, uid, "mallory")
     assert forged is None and "not by the job controller" in warnings[0]
