@@ -104,9 +104,9 @@ def test_leader_killed_at_random_points_acts_exactly_once(make_world):
         deadline, next_kill = time.monotonic() + timeout, time.monotonic() + replicas.rng.uniform(1.0, 4.0)
         while time.monotonic() < deadline:
             try:
-                if kill_on is not None and kill_on():
+                if kill_on is not None and kill_on() and replicas.kill_leader(
+                        f"t={time.monotonic() - started:.1f}s, a call in flight ({what})"):
                     kill_on = None
-                    replicas.kill_leader(f"t={time.monotonic() - started:.1f}s, a call in flight ({what})")
                 if done():
                     return
             except Exception:  # noqa: BLE001 — not there yet
@@ -152,7 +152,9 @@ def test_leader_killed_at_random_points_acts_exactly_once(make_world):
     assert len(incidents) == 1, dump(incidents)
     timeline = [t["event"] for t in incidents[0]["status"]["timeline"]]
     assert timeline.count("Opened") == 1 and timeline.count("NodeCordoned") == 1, timeline
-    assert len(replicas.kills) >= 3, replicas.kills
+    # the chaos did happen: the leader was killed with each AWS call in flight (and at random
+    # moments besides, as many as the flow left time for)
+    assert sum("a call in flight" in k for k in replicas.kills) == 2, replicas.kills
     print(f"leader kills: {replicas.kills}")
 
 
