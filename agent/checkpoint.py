@@ -75,7 +75,7 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], facts: Facts, *
     if writer:
         try:
             outcome["kept"] = _keep(plan.keep) if plan.keep is not None else None
-            outcome["sha256"] = _write(path, state, facts, plan)
+            outcome["sha256"] = _write(path, state, facts, plan, outcome["kept"])
             _remove(plan.remove)
         except (CheckpointError, OSError) as exc:
             outcome["failure"] = f"{type(exc).__name__}: {exc}"
@@ -162,7 +162,7 @@ def _log_plan(plan: recovery.SavePlan, kept_as: str | None, saved: recovery.Chec
         log.info("sdcguard: removed %s: a newer verified checkpoint covers every window an alarm can open", path)
 
 
-def _write(path: Path, state: Mapping[str, Any], facts: Facts, plan: recovery.SavePlan) -> str:
+def _write(path: Path, state: Mapping[str, Any], facts: Facts, plan: recovery.SavePlan, kept_as: str | None) -> str:
     """Write ``state`` and its manifest; return the file's SHA-256."""
     saved_digest = _state_digest(state, facts.model_key, facts.parameters, where=str(path))
     if saved_digest != facts.weight_digest:
@@ -171,12 +171,9 @@ def _write(path: Path, state: Mapping[str, Any], facts: Facts, plan: recovery.Sa
     _save_atomic(dict(state), path)
     history = facts.history
     sha256 = _sha256(path)
-    dropped = {id(c) for c in plan.dropped}
-    earlier = [c for c in history.checkpoints if c.step < facts.step and id(c) not in dropped and c is not plan.keep]
-    if plan.keep is not None:
-        earlier.append(recovery.Checkpoint(plan.keep.step, recovery.kept_path(plan.keep.path, plan.keep.step),
-                                           plan.keep.audited_step, plan.keep.sha256, plan.keep.path))
-    earlier.sort(key=lambda c: c.step)
+    # The checkpoints before this one, as the history will list them once this save is recorded.
+    after = recovery.after_save(history, plan, recovery.Checkpoint(facts.step, str(path), None), kept_as)
+    earlier = [c for c in after.checkpoints if c.step < facts.step]
     write_json_atomic(manifest_path(path), json.dumps({
         "schema": MANIFEST_SCHEMA, "step": facts.step, "verified": True,
         "weight_digest": facts.weight_digest, "sha256": sha256,
