@@ -6,7 +6,8 @@ Launches 3 gloo ranks (one thread each) training bench/gpt.py's TinyGPT in four 
 each on its own replica, interleaved 10 steps at a time: plain DDP; checks 1+3(+4) with no audit
 (``train_step``); audits every 10 (``train_step``); audits every 10 through the step API. Rank 0
 times each phase by wrapping the library's own functions for this run (a benchmark may; the
-library is not changed): the comm hook's recording (check 1's norms and check 4's fold), the
+library is not changed): the comm hook's recording (the local bucket's norm and checksum; the reduced bucket's checksum, on
+gloo's worker thread), the
 vote, the vote all-reduce, check 4's judgement, the weight fingerprint and its agreement, the
 batch transfer, the replay, the digests and comparison, the statistics, and what remains (the
 step API's bookkeeping). Each figure is **thread CPU time** per step (`time.thread_time`), so the
@@ -46,25 +47,27 @@ def worker(out: str, steps: int) -> None:
     rank = dist.get_rank()
     spent: dict[str, float] = defaultdict(float)
     active = [None]  # the configuration being timed
-    depth = [0]
+    import threading
+    depth = threading.local()  # per thread: gloo's worker thread runs the reduced bucket's part
 
     def timed(phase, fn):
         def wrapper(*args, **kwargs):
-            if depth[0]:  # inside another timed phase: counted there
+            if getattr(depth, "n", 0):  # inside another timed phase of this thread: counted there
                 return fn(*args, **kwargs)
-            depth[0] += 1
+            depth.n = 1
             started = time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                depth[0] -= 1
+                depth.n = 0
                 if active[0] is not None:
                     spent[(active[0], phase)] += time.thread_time() - started
         return wrapper
 
     # Each phase by the function that does it, patched where it is looked up.
     patches = [
-        (reduce_checksum.ChecksumWeights, "terms", "comm hook: norms + check 4 fold"),
+        (reduce_checksum.ChecksumWeights, "terms", "comm hook: local norm + checksum"),
+        (reduce_checksum.ChecksumWeights, "checksum", "comm hook: reduced checksum"),
         (commhook.GradientRecorder, "record_fingerprints", "comm hook: fingerprints (audit)"),
         (commhook.GradientRecorder, "vote", "vote (check 1/4 operands)"),
         (verification, "sum_votes", "vote all-reduce (16 B)"),

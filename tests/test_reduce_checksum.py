@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from sdcguard.checks.reduce_checksum import ChecksumWeights, Shape, coefficients, judge_checksum, rounding_bound
+from sdcguard.checks.reduce_checksum import DEPTH_FIRST_COLUMNS, ChecksumWeights, Shape, coefficient, judge_checksum
+from sdcguard.checks.reduce_checksum import rounding_bound
 from sdcguard.checks.reduce_checksum import vote as rank_vote
 
 
@@ -25,7 +26,7 @@ def honest_mean(grads, dtype, order):
 def vote(grads, reduced, weights):
     world = len(grads)
     n = reduced.numel()
-    red = weights.terms(0, reduced)
+    red = weights.checksum(0, reduced)
     votes = [rank_vote([weights.terms(0, g)], [red], [(n, reduced.dtype)], world) for g in grads]
     x = sum(v[0].item() for v in votes)  # what check 1's all-reduce sums
     y = sum(v[1].item() for v in votes)
@@ -88,6 +89,7 @@ def test_a_scaled_element_above_the_threshold_is_caught(dtype):
     # an error a few bounds large in one element, anywhere, is caught (weights are >= 1)
     bad[12345] = bad[12345] + 4 * bound
     x_bad, y_bad, _ = vote(grads, bad, weights)
+    assert y_bad == y  # the bound comes from the local operands alone: a corruption cannot widen it
     verdict = judge_checksum(x_bad, y_bad, shape)
     assert verdict is not None and verdict.check == "reduce-checksum" and verdict.suspects == []
     assert verdict.evidence["exceeds_bound_by"] > 1
@@ -115,10 +117,30 @@ def test_weights_move_with_the_step_and_agree_across_ranks():
 
 
 def test_the_bound_grows_with_the_world_and_the_element_type():
-    local = lambda w, d: coefficients(10_000, d, w, 1)[0]
-    assert local(64, torch.float32) > local(2, torch.float32)
-    assert local(2, torch.bfloat16) > local(2, torch.float16) > local(2, torch.float32)
-    # only the local operands carry the reduction's rounding: the reduced side's weight is the
-    # checksum's own rounding, whatever the element type (a corrupted element barely moves it)
-    assert coefficients(10_000, torch.bfloat16, 8, 1)[1] == coefficients(10_000, torch.float32, 8, 1)[1]
-    assert coefficients(10_000, torch.float32, 8, 1)[1] < 1e-5
+    k = lambda w, d: coefficient(10_000, d, w, 1)
+    assert k(64, torch.float32) > k(2, torch.float32)
+    assert k(2, torch.bfloat16) > k(2, torch.float16) > k(2, torch.float32)
+    assert k(8, torch.float32) < 1e-4
+
+
+def test_the_checksum_is_one_weighted_sum_of_the_bucket():
+    """The fold, the rotation by the step's offset and the tail equal the plain float64 sum
+    ``sum_i w_i g_i`` with column j's weight ``w[(j + o) mod L]``, within the fold's rounding."""
+    weights = ChecksumWeights(seed=2)
+    for n, dtype in [(5, torch.float64), (16, torch.float64), (1000, torch.float64), (4099, torch.float64),
+                     (4099, torch.float32), (4099, torch.bfloat16),
+                     (16 * (DEPTH_FIRST_COLUMNS + 1) + 3, torch.float32),  # added depth first
+                     (16 * (DEPTH_FIRST_COLUMNS + 1), torch.bfloat16)]:
+        weights.begin_step(n)
+        g = torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64).to(dtype)
+        table = weights.table(0, n, g.device)
+        cols = n // 16
+        per_element = torch.empty(n, dtype=torch.float64)
+        if cols:
+            o = weights.offset_seed % cols
+            per_element[:cols * 16] = torch.cat([table[o:cols], table[:o]]).repeat(16)
+        per_element[cols * 16:] = table[cols:]
+        exact = float(torch.dot(per_element, g.double()))
+        # pairwise: each element rounded at most 4 times in float32 (exactly 0 in float64, up to 1e-12)
+        rounding = 4.01 * 2.0 ** -24 * float(torch.dot(per_element, g.double().abs())) if dtype != torch.float64 else 1e-12
+        assert float(weights.checksum(0, g)) == pytest.approx(exact, abs=rounding)

@@ -7,7 +7,8 @@ told apart, so what checks 1a, 2 and 4 need is recorded here, per bucket, on the
     norms bound the rounding), and the norm is finite exactly when the gradient is (check 1a);
   - on audit steps, each parameter's local-gradient fingerprint (check 2 compares them with a
     replay on another node);
-and on the way out, the reduced gradient's checksum and squared norm (checks 4 and 1b).
+and on the way out, the reduced gradient's checksum alone (check 4, and check 1b: it is finite
+exactly when the reduced bucket is). Three reads of a bucket per step in all.
 
 The reduction itself is delegated to an inner hook (plain all-reduce by default), so sdcguard
 composes with compression hooks and the drill can put a fault inside the all-reduce.
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from ..fingerprint import Fingerprint, fingerprint_sums, to_fingerprints
 from .exchange import hold
-from .reduce_checksum import ChecksumWeights, Shape, vote
+from .reduce_checksum import ChecksumWeights, Coefficients, Shape, vote
 
 __all__ = ["GradientRecorder", "record_then_reduce", "allreduce_mean"]
 
@@ -31,7 +32,7 @@ class GradientRecorder:
     """State of :func:`record_then_reduce`: settings first, then what one step recorded."""
 
     __slots__ = (
-        "inner_hook", "inner_state", "param_index", "weights", "checks_reduction", "world",
+        "inner_hook", "inner_state", "param_index", "weights", "coefficients", "checks_reduction", "world",
         "audit", "local", "reduced", "shapes", "pending",
     )
 
@@ -49,6 +50,7 @@ class GradientRecorder:
         self.inner_state = inner_state if inner_hook is not None and inner_state is not None else process_group
         self.param_index = {id(p): i for i, p in enumerate(parameters)}
         self.weights = ChecksumWeights(seed)
+        self.coefficients = Coefficients()
         self.checks_reduction = bool(getattr(self.inner_hook, "averages_like_ddp", False))
         """Check 4 runs: the reduction is DDP's mean (a compression hook changes the sum)."""
         self.world = dist.get_world_size(process_group)
@@ -58,7 +60,7 @@ class GradientRecorder:
         self.local: dict[int, torch.Tensor] = {}
         """bucket -> ``[checksum, squared norm]`` of this rank's local gradient."""
         self.reduced: dict[int, torch.Tensor] = {}
-        """bucket -> the same of the reduced gradient."""
+        """bucket -> the checksum ``C`` of the reduced gradient."""
         self.shapes: dict[int, tuple[int, torch.dtype]] = {}
         """bucket -> (elements, dtype), for check 4's bound."""
         # Per bucket: (parameter indices, their fingerprint sums still on the device) — turned
@@ -77,21 +79,24 @@ class GradientRecorder:
     def vote(self, device: torch.device) -> torch.Tensor:
         """This rank's ``[x, y]`` for check 1's all-reduce (see ``reduce_checksum``): summed over
         ranks, X is check 4's checksum difference and Y its operands' size, finite exactly when
-        every local and reduced gradient is."""
+        every local gradient is and X when every reduced one is too."""
         if not self.local:
             return torch.zeros(2, dtype=torch.float64, device=device)
         buckets = self._buckets()
         sizes = [self.shapes[b] for b in buckets]
-        return vote([self.local[b] for b in buckets], [self.reduced[b] for b in buckets], sizes, self.world).to(device)
+        return vote([self.local[b] for b in buckets], [self.reduced[b] for b in buckets], sizes, self.world,
+                    self.coefficients).to(device)
 
     def rows(self, device: torch.device) -> torch.Tensor:
-        """``[local, reduced]`` squared norms of this rank's gradient: the per-rank values check 1
-        gathers when something is not finite."""
+        """``[local squared norm, reduced checksum]`` of this rank's gradient, summed over buckets:
+        the per-rank values check 1 gathers when something is not finite (each is finite exactly
+        when its gradient is, barring float32 overflow of finite values)."""
         if not self.local:
             return torch.zeros(2, dtype=torch.float64, device=device)
         buckets = self._buckets()
-        both = torch.stack([torch.stack([self.local[b][1], self.reduced[b][1]]) for b in buckets])
-        return both.sum(dim=0).to(device)
+        local = torch.stack([self.local[b][1] for b in buckets]).sum()
+        reduced = torch.stack([self.reduced[b] for b in buckets]).sum()
+        return torch.stack([local, reduced]).to(device)
 
     def _buckets(self) -> list[int]:
         if self.local.keys() != self.reduced.keys():
@@ -117,8 +122,8 @@ class GradientRecorder:
 def record_then_reduce(
     state: GradientRecorder, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """Record the local gradient's checksum terms (and fingerprints on audit steps), reduce, and
-    record the reduced gradient's terms."""
+    """Record the local gradient's checksum and norm (and fingerprints on audit steps), reduce, and
+    record the reduced gradient's checksum."""
     index = bucket.index()
     buffer = bucket.buffer()
     state.local[index] = state.weights.terms(index, buffer)
@@ -129,14 +134,14 @@ def record_then_reduce(
     if state.inner_hook is allreduce_mean:  # the common case: one callback, not two
         def record_mean(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             reduced = fut.value()[0]
-            state.reduced[index] = state.weights.terms(index, reduced)
+            state.reduced[index] = state.weights.checksum(index, reduced)
             return reduced
 
         return _launch_mean(state.inner_state, buffer).then(record_mean)
 
     def record_reduced(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         reduced = fut.value()
-        state.reduced[index] = state.weights.terms(index, reduced)
+        state.reduced[index] = state.weights.checksum(index, reduced)
         return reduced
 
     return state.inner_hook(state.inner_state, bucket).then(record_reduced)

@@ -1,10 +1,10 @@
 """Checks 1a and 1b: a NaN or Inf gradient, found before the optimizer applies it.
 
 An ordinary step costs one all-reduce (sum) of two float64 scalars — check 4's ``[x, y]`` vote
-(``reduce_checksum``), whose sum Y is finite exactly when every rank's local and reduced gradient
-is — whatever the model size and the world size. Only when it is not are the per-rank
-``[local, reduced]`` squared norms all-gathered, to name the ranks (or to find that only the
-float64 sums overflowed: no alarm). Every rank sees the same sums
+(``reduce_checksum``), whose sums are finite exactly when every rank's local and reduced gradient
+is — whatever the model size and the world size. Only when they are not are the per-rank
+``[local squared norm, reduced checksum]`` rows all-gathered, to name the ranks (or to find that
+only the float64 sums overflowed: no alarm). Every rank sees the same sums
 and the same rows, so every rank reaches the same verdict.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ def sum_votes(vote: torch.Tensor, group: dist.ProcessGroup | None = None) -> tup
 
 
 def gather_norms(rows: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[list[float]]:
-    """All ranks' ``[local, reduced]`` rows, indexed by rank."""
+    """All ranks' ``[local squared norm, reduced checksum]`` rows, indexed by rank."""
     return gather_tensor(rows, group, "norms").tolist()
 
 
@@ -55,7 +55,7 @@ def judge_nonfinite(norms: list[list[float]]) -> Verdict | None:
         return Verdict(
             CHECK_NONFINITE_REDUCED,
             evidence={
-                "reduced_grad_sq_norm": norms[reduced_bad[0]][1],
+                "reduced_grad_checksum": norms[reduced_bad[0]][1],
                 "ranks_seeing_it": reduced_bad,
             },
         )
