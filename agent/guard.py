@@ -15,17 +15,19 @@ that step is refused; a NaN/Inf that reproduces elsewhere (the data's, not the h
 :class:`~sdcguard.errors.NonFiniteGradient` instead. ``save_checkpoint`` writes only after check 3.
 
 The model may be ``DistributedDataParallel``, ``torch.compile`` of one, DDP around a compiled
-module, or — with a single process — a plain (or compiled) module: the checks that need other
-replicas then do not run, which the Guard says once at start-up.
+module, a model sharded with FSDP2 (``fully_shard``: pure FSDP or HSDP; ``sdcguard.sharding``), or
+— with a single process — a plain (or compiled) module: the checks that need other replicas then
+do not run, which the Guard says once at start-up.
 """
 from __future__ import annotations
 
 import atexit
 import logging
 import os
+import sys
 import uuid
 import weakref
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,6 +47,9 @@ from .gate import UpdateGate
 from .reporting import AlarmReporter
 from .step import Step
 from .verification import Verifier
+
+if TYPE_CHECKING:
+    from .sharding.verifier import ShardedVerifier
 
 log = logging.getLogger("sdcguard")
 
@@ -74,6 +79,8 @@ class Guard:
         self.model = model
         """What ``loss_fn`` is called with for the real pass (DDP, compiled, or plain)."""
         self.ddp, self.module, self.compiled = unwrap(model)
+        self.sharded = _is_fsdp(self.module)
+        """FSDP2 (``fully_shard``) at the root: the sharded checks (``sdcguard.sharding``) run."""
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         # A disabled GradScaler (what nanoGPT builds for float32/bfloat16) never skips a step: none.
@@ -81,13 +88,19 @@ class Guard:
         self.config = config if config is not None else Config.from_env()
         self.group: dist.ProcessGroup | None = self.ddp.process_group if self.ddp is not None else None
         distributed = dist.is_available() and dist.is_initialized()
-        if self.ddp is None and distributed and dist.get_world_size() > 1:
+        if self.ddp is None and not self.sharded and distributed and dist.get_world_size() > 1:
             raise TypeError("with more than one process, Guard needs the model wrapped in "
-                            "DistributedDataParallel (or torch.compile of it)")
-        self.device = _collective_device(self.group) if self.ddp is not None else _param_device(self.module)
-        self.topology: Topology = (gather_topology(self.config, self.group, self.device) if self.ddp is not None
-                                   else _solo_topology(self.config))
+                            "DistributedDataParallel (or torch.compile of it), or sharded with FSDP2's fully_shard")
+        if self.sharded and (self.compiled or reduce_hook is not None or not distributed):
+            raise TypeError("sdcguard: an FSDP2 model needs a process group, and is not supported yet under "
+                            "torch.compile or with a DDP reduce_hook")
+        self.device = (_collective_device(self.group) if self.ddp is not None or self.sharded
+                       else _param_device(self.module))
+        self.topology: Topology = (gather_topology(self.config, self.group, self.device)
+                                   if self.ddp is not None or self.sharded else _solo_topology(self.config))
         self.solo = self.topology.world_size == 1
+        self._replays = not self.solo and not self.sharded
+        """Check 2 can run: more than one replica, and not (yet) a sharded model."""
         self.named_parameters = list(self.module.named_parameters())
         # The parts.
         self.recorder: GradientRecorder | None = None
@@ -103,7 +116,7 @@ class Guard:
             names={i: n for i, (n, _) in enumerate(self.named_parameters)},
             topology=self.topology, group=self.group, device=self.device, seed=self.config.seed,
         )
-        if self.config.audit_every and not self.solo:
+        if self.config.audit_every and self._replays:
             check_replayable(self.topology, _param_device(self.module))
         if _param_device(self.module).type == "cuda":  # compile and self-test the GPU kernel now, not mid-step
             fingerprint_triton.ready(_param_device(self.module))
@@ -114,9 +127,15 @@ class Guard:
         self.gate = UpdateGate(optimizer)
         """Refuses an update before its step's checks passed; counts the updates the weights hold."""
         self.stats = CheckStats(self.topology.identities[self.topology.rank], self.config.job)
-        self.verifier = Verifier(recorder=self.recorder, replayer=self.replayer, topology=self.topology,
-                                 group=self.group, device=self.device, named_parameters=self.named_parameters,
-                                 stats=self.stats)
+        self.verifier: Verifier | ShardedVerifier
+        if self.sharded:  # the reduce-scatter and all-reduce hooks go on every fully_shard unit here
+            from .sharding.verifier import ShardedVerifier
+            self.verifier = ShardedVerifier(model=self.module, named_parameters=self.named_parameters,
+                                            device=self.device, stats=self.stats, seed=self.config.seed)
+        else:
+            self.verifier = Verifier(recorder=self.recorder, replayer=self.replayer, topology=self.topology,
+                                     group=self.group, device=self.device, named_parameters=self.named_parameters,
+                                     stats=self.stats)
         self.reporter = AlarmReporter(self.config, self.topology, self.stats, self.group)
         # The step in progress, while one is.
         self.recording: Step | None = None
@@ -134,7 +153,7 @@ class Guard:
 
         ``audit=True`` makes this step an audit step on demand (e.g. before a checkpoint);
         every rank must pass the same value."""
-        return Step(self, step, micro_batches, self.is_audit_step(step) if audit is None else bool(audit) and not self.solo)
+        return Step(self, step, micro_batches, self.is_audit_step(step) if audit is None else bool(audit) and self._replays)
 
     def train_step(self, step: int, batch: Any = None, *, micro_batches: Sequence[Any] | None = None,
                    clip_grad_norm: float | None = None, audit: bool | None = None) -> torch.Tensor:
@@ -161,8 +180,9 @@ class Guard:
         return s.loss
 
     def is_audit_step(self, step: int) -> bool:
-        # A single replica has nobody to replay its batch: check 2 needs two ranks at least.
-        if self.solo:
+        # A single replica has nobody to replay its batch: check 2 needs two ranks at least (and
+        # has no sharded form yet).
+        if not self._replays:
             return False
         every = self.config.audit_every
         if every > 0 and step % every == 0:
@@ -249,6 +269,7 @@ class Guard:
         ``<stem>.sdcguard-step<N><suffix>`` until a newer verified checkpoint covers every window
         (``Config.keep_resume_points``). Returns the path, or None when rank 0 said not to save."""
         from . import checkpoint
+        self._refuse_sharded_checkpoint(path)
         if not checkpoint.rank0_says(bool(when), self.device, self.group, self.solo):
             return None
         if self.alarms_raised:
@@ -277,6 +298,7 @@ class Guard:
         ``last_good_checkpoint_step`` / ``_sha256``), only if it is the checkpoint the alarm
         named; the checkpoint then counts as this run's starting point."""
         from . import checkpoint
+        self._refuse_sharded_checkpoint(path)
         manifest = checkpoint.read_manifest(path, expect_step=expect_step, expect_sha256=expect_sha256)
         checkpoint.load_checkpoint(path, self.module, self.optimizer, self.scaler,
                                    map_location=_param_device(self.module), model_key=model_key,
@@ -293,6 +315,8 @@ class Guard:
         self.gate.open(s.step)
         if self.recorder is not None:
             self.recorder.begin_step(s.audit, s.step)
+        elif self.sharded:
+            self.verifier.begin_step(s.step)
         self.stats.last_step = s.step
 
     def verify(self, s: Step) -> None:
@@ -324,7 +348,8 @@ class Guard:
         if self.scaler is not None:
             s.skipped = True
             return
-        error = NonFiniteGradient(step=s.step, ranks=ranks, confirmed=confirmed)
+        error = NonFiniteGradient(step=s.step, ranks=ranks, confirmed=confirmed,
+                                  **({"unconfirmed_because": UNCONFIRMED_SHARDED} if self.sharded else {}))
         if self.config.on_nonfinite != "skip":
             raise error
         log.warning("%s; skipping the step (on_nonfinite=skip)", error)
@@ -346,10 +371,23 @@ class Guard:
         if len(s.buffers) == len(s.batches):
             s.buffers.append(snapshot_buffers(module))
 
+    def _refuse_sharded_checkpoint(self, path: Any) -> None:
+        if self.sharded:
+            from .checkpoint import CheckpointError
+            raise CheckpointError(f"refusing {path}: checkpoints of a sharded (FSDP2) model need DCP sharded state "
+                                  "dicts, which sdcguard does not verify yet; save with torch.distributed.checkpoint "
+                                  "after guard.check_weights(step) passed")
+
     def _log_configuration(self) -> None:
         if self.topology.rank != 0:
             return
         cfg, topo = self.config, self.topology
+        if self.sharded:
+            for line in self.verifier.plan_lines():
+                log.warning("sdcguard (sharded): %s", line)
+            log.info("sdcguard: %d ranks, weight check every %s, spool %s", topo.world_size,
+                     cfg.weight_check_every or "never", cfg.spool or "(none)")
+            return
         if self.solo:
             log.warning("sdcguard: a single replica: only the local non-finite check runs (no replay audit, "
                         "no weight comparison), and a NaN/Inf cannot be confirmed as the hardware's")
@@ -377,6 +415,17 @@ def unwrap(model: torch.nn.Module) -> tuple[DistributedDataParallel | None, torc
             compiled, m = True, m._orig_mod
         else:
             return ddp, m, compiled
+
+
+def _is_fsdp(module: torch.nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to the root (no FSDP import for a model that never used it)."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return False
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(module, FSDPModule)
+
+
+UNCONFIRMED_SHARDED = "yet: sharded models have no replay (check 2) to confirm it"
 
 
 def _as_micro_batches(batch: Any, micro_batches: Sequence[Any] | None) -> Sequence[Any]:

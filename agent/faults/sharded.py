@@ -1,0 +1,184 @@
+"""The fault injector for a model sharded with FSDP2: where each kind strikes in a sharded step.
+
+    guard = sdcguard.Guard(fsdp_model, optimizer, loss_fn)
+    injector = ShardedFaultInjector(["grad-inf:rank=1:step=3", "weight-bitflip:rank=2:step=5"], rank)
+    injector.install(guard, param="layers.1.weight")
+    for step, batch in enumerate(loader):
+        injector.begin_step(step)
+        ...  # the user's loop under guard.step
+
+Same grammar as ``faults.spec``; ``element=N`` indexes the parameter's flattened tensor as this
+rank sees it where the fault strikes:
+
+  - ``grad-inf``: rank R's *local* gradient (the full, unsharded one, element N of the parameter),
+    inside FSDP2's reduce-scatter input, before check 1 reads it (``ShardedRecorder.before_reduce_scatter``);
+  - ``grad-bitflip``: rank R's gradient *shard* after the reduction, before the optimizer reads it
+    (memory corruption between the two; element N of the local shard). In a DDP job this kind
+    strikes the local gradient before the all-reduce, which only check 2's replay can see, and
+    sharded models have no replay yet;
+  - ``reduce-nan`` / ``reduce-scale``: the reduced shard (HSDP: the all-reduce's output; pure FSDP:
+    the reduce-scatter's), on rank R or, without ``rank``, on every rank; element N of the local shard;
+  - ``optimizer-scale``: element N of rank R's local shard, after its optimizer step;
+  - ``weight-bitflip`` / ``weight-swap``: rank R's stored local shard, between steps (``begin_step``).
+
+The ``forward-*`` kinds are not wired for sharded models yet (refused at ``install``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+
+from .injector import _flip_bit, _mantissa_bit, _swap_partner
+from .spec import FaultSpec, FaultTargetError, parse_fault
+
+if TYPE_CHECKING:
+    from ..guard import Guard
+
+__all__ = ["ShardedFaultInjector"]
+
+log = logging.getLogger("sdcguard.faults")
+
+
+class _ShardTarget:
+    """One fault's parameter: its unit, its offset in the unit's reduce-scatter row, its layout."""
+
+    __slots__ = ("name", "fsdp_param", "unit", "offset", "element")
+
+    def __init__(self, name: str, fsdp_param: Any, unit: int, offset: int, element: int) -> None:
+        self.name, self.fsdp_param, self.unit, self.offset, self.element = name, fsdp_param, unit, offset, element
+
+    @property
+    def param(self) -> torch.nn.Parameter:
+        """The sharded parameter now (FSDP2 may replace it, e.g. on a state-dict load)."""
+        return self.fsdp_param.sharded_param
+
+    def __str__(self) -> str:
+        return f"{self.name}[{self.element}]"
+
+
+class ShardedFaultInjector:
+    """This rank's faults in a sharded model, and the hooks that fire them."""
+
+    def __init__(self, faults: Iterable[FaultSpec | str], rank: int) -> None:
+        self.rank = rank
+        specs = [parse_fault(f) if isinstance(f, str) else f for f in faults]
+        self.faults = [f for f in specs if f.hits_rank(rank)]
+        self.targets: list[_ShardTarget] = []
+        self.step: int | None = None
+        self.fired: list[dict[str, Any]] = []
+        """One ``{kind, rank, step, target}`` per fault and step it struck."""
+        self._struck: set[tuple[int, int]] = set()
+        self._handles: list[Any] = []
+        self._shards = 1
+
+    def install(self, guard: Guard, *, param: str | None = None, element: int = 0) -> None:
+        """Find every fault's parameter (``param=`` in the fault, else ``param``) in the Guard's
+        sharded model and attach the hooks. Install after the Guard (it owns the reduce hooks)."""
+        recorder = guard.verifier.recorder
+        self._shards = recorder.layout.shards
+        where = _locate(recorder, {id(p): n for n, p in guard.named_parameters})
+        for fault in self.faults:
+            if fault.info.corrupts == "forward":
+                raise FaultTargetError(f"{fault}: forward faults are not wired for sharded models yet")
+            name = fault.param if fault.param is not None else param
+            if name is None or name not in where:
+                raise FaultTargetError(f"{fault}: no sharded parameter {name!r}; it has: {', '.join(where)}")
+            unit, offset, fsdp_param = where[name]
+            index = fault.element if fault.element is not None else element
+            self.targets.append(_ShardTarget(name, fsdp_param, unit, offset, index))
+        recorder.before_reduce_scatter.append(self._on_local_gradient)
+        recorder.after_reduction.append(self._on_reduced_shard)
+        self._handles.append(guard.optimizer.register_step_pre_hook(self._before_optimizer_step))
+        self._handles.append(guard.optimizer.register_step_post_hook(self._after_optimizer_step))
+
+    def begin_step(self, step: int) -> None:
+        """Call at the top of each step: the weight faults due now strike the stored shard."""
+        self.step = step
+        for i in self._due("weights"):
+            flat = _local(self.targets[i].param).view(-1)
+            with torch.no_grad():
+                e = self.targets[i].element
+                if self.faults[i].kind == "weight-swap":
+                    other = _swap_partner(e, flat.numel())
+                    flat[[e, other]] = flat[[other, e]].clone()
+                else:
+                    _flip_bit(flat, e, bit=_mantissa_bit(flat, 1))
+
+    # -- the hooks -----------------------------------------------------------------------------
+
+    def _on_local_gradient(self, unit: int, flat: torch.Tensor) -> None:
+        for i in self._due("grad", unit, kinds={"grad-inf"}):
+            t = self.targets[i]
+            j, within = _row_of(t.element, t.fsdp_param._orig_size, t.fsdp_param.padded_sharded_param_size[0])
+            flat.view(self._shards, -1)[j, t.offset + within] = float("inf")
+
+    def _on_reduced_shard(self, unit: int, flat: torch.Tensor) -> None:
+        for i in self._due("reduce", unit):
+            t = self.targets[i]
+            at = t.offset + t.element
+            before = flat[at].clone()
+            flat[at] = float("nan") if self.faults[i].kind == "reduce-nan" else flat[at] * self.faults[i].magnitude
+            if torch.equal(before, flat[at]):
+                log.warning("sdcguard fault injector: %s left %s unchanged (a zero, or shard padding): pick another "
+                            "element", self.faults[i], t)
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for i in self._due("grad", kinds={"grad-bitflip"}):
+            grad = self.targets[i].param.grad
+            flat = _local(grad).view(-1)
+            _flip_bit(flat, self.targets[i].element, bit=_mantissa_bit(flat, 1))
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for i in self._due("optimizer"):
+            with torch.no_grad():
+                _local(self.targets[i].param).view(-1)[self.targets[i].element] *= self.faults[i].magnitude
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _due(self, corrupts: str, unit: int | None = None, kinds: set[str] | None = None) -> list[int]:
+        due = []
+        for i, fault in enumerate(self.faults):
+            if fault.info.corrupts != corrupts or self.step is None or not fault.fires_at(self.step):
+                continue
+            if (kinds is not None and fault.kind not in kinds) or (unit is not None and self.targets[i].unit != unit):
+                continue
+            if not fault.persistent:
+                if (i, self.step) in self._struck:
+                    continue
+                self._struck.add((i, self.step))
+            due.append(i)
+            event = {"kind": fault.kind, "rank": self.rank, "step": self.step, "target": str(self.targets[i])}
+            if event not in self.fired:
+                self.fired.append(event)
+                log.info("injected %s on rank %d at step %d into %s", fault.kind, self.rank, self.step, self.targets[i])
+        return due
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _row_of(element: int, size: torch.Size, chunk_rows: int) -> tuple[int, int]:
+    """Where element N of a Shard(0) parameter's full gradient lies in the reduce-scatter input:
+    (the row, i.e. the shard rank it goes to; its offset inside the parameter's slice of that row)."""
+    per_row = size[1:].numel() if len(size) > 1 else 1
+    line = element // per_row
+    row = line // chunk_rows
+    return row, (line - row * chunk_rows) * per_row + element % per_row
+
+
+def _locate(recorder: Any, names: dict[int, str]) -> dict[str, tuple[int, int, Any]]:
+    """parameter name -> (unit, offset of its slice in the unit's reduce-scatter row, FSDPParam).
+    FSDP2 lays a unit's parameters end to end in each row, each padded to its sharded size."""
+    found = {}
+    for unit, (path, group) in enumerate(recorder.units):
+        offset = 0
+        for fsdp_param in group.fsdp_params:
+            name = names[id(fsdp_param.sharded_param)]
+            if fsdp_param.fsdp_placement.dim != 0:
+                raise FaultTargetError(f"{name}: only Shard(0) parameters can be targeted")
+            found[name] = (unit, offset, fsdp_param)
+            offset += fsdp_param.padded_sharded_param_size.numel()
+    return found

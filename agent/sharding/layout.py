@@ -1,0 +1,151 @@
+"""Where each rank of an FSDP2 model sits, and which checks its mesh allows.
+
+FSDP2 shards every parameter along the mesh's shard dimension (``S`` ranks, one shard each) and,
+for HSDP, replicates each shard along the replicate dimension (``R`` replicas). Rank ``(i, j)``
+holds shard ``j`` of replica ``i``; the ranks of one column ``j`` hold identical shards (check 3
+compares them), the ranks of one row ``i`` reduce-scatter together, and those of one column
+all-reduce the reduce-scatter's output across replicas. torchtitan builds the same mesh
+(``init_device_mesh(..., (dp_replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))``)
+and calls ``fully_shard(block, mesh=...)`` per block, then on the root.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..contract.alarm import CHECK_NONFINITE_LOCAL, CHECK_REDUCE_CHECKSUM, CHECK_REPLAY, CHECK_WEIGHTS
+
+
+@dataclass(frozen=True, slots=True)
+class ShardLayout:
+    """The mesh as every rank sees it: ``grid[i][j]`` is the global rank of replica i, shard j."""
+
+    grid: tuple[tuple[int, ...], ...]
+    rank: int
+
+    @property
+    def replicas(self) -> int:
+        return len(self.grid)
+
+    @property
+    def shards(self) -> int:
+        return len(self.grid[0])
+
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.shards
+
+    @property
+    def hsdp(self) -> bool:
+        return self.replicas > 1
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """``{"replica": i, "shard": j}`` of a global rank."""
+        for i, row in enumerate(self.grid):
+            if rank in row:
+                return {"replica": i, "shard": row.index(rank)}
+        raise ValueError(f"rank {rank} is not in the mesh {self.grid}")
+
+    def replicas_of_shard(self, shard: int) -> list[int]:
+        """The global ranks holding ``shard``, by replica index."""
+        return [row[shard] for row in self.grid]
+
+    def shard_group(self, replica: int) -> list[int]:
+        """The global ranks that reduce-scatter together (one replica), by shard index."""
+        return list(self.grid[replica])
+
+    def describe(self) -> str:
+        return (f"HSDP {self.replicas} replicas x {self.shards} shards" if self.hsdp
+                else f"FSDP over {self.shards} ranks (one replica)")
+
+
+def layout_of(mesh_ranks: list[list[int]] | list[int], rank: int) -> ShardLayout:
+    """Pure: the layout from the mesh's rank grid (``DeviceMesh.mesh.tolist()``, rows = replicas;
+    a 1-D mesh is one replica)."""
+    rows = [mesh_ranks] if mesh_ranks and not isinstance(mesh_ranks[0], list) else mesh_ranks
+    grid = tuple(tuple(int(r) for r in row) for row in rows)  # type: ignore[union-attr]
+    if not grid or len({len(row) for row in grid}) != 1:
+        raise ValueError(f"not a rectangular mesh: {mesh_ranks!r}")
+    flat = [r for row in grid for r in row]
+    if sorted(flat) != list(range(len(flat))):
+        raise ValueError(f"the mesh {mesh_ranks!r} must hold every rank of the job exactly once")
+    return ShardLayout(grid, rank)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckPlan:
+    """Which checks run for a mesh, and why the others do not (logged once at start-up)."""
+
+    runs: dict[str, str]
+    off: dict[str, str]
+
+    def lines(self) -> list[str]:
+        return ([f"runs {name}: {why}" for name, why in self.runs.items()]
+                + [f"does not run {name}: {why}" for name, why in self.off.items()])
+
+
+def plan_checks(layout: ShardLayout, *, reduce_scatter_checked: bool, all_reduce_checked: bool) -> CheckPlan:
+    """Pure: what runs for this mesh (docs/design.md §3, "Sharded models")."""
+    runs = {CHECK_NONFINITE_LOCAL: "each rank's local gradient, before its reduce-scatter; a NaN/Inf is "
+                                   "named by rank but not yet confirmed by a replay (confirmed=False)"}
+    off: dict[str, str] = {}
+    if reduce_scatter_checked:
+        runs[f"{CHECK_REDUCE_CHECKSUM} (reduce-scatter)"] = f"the reduce-scatter of each shard group ({layout.shards} ranks)"
+    else:
+        off[f"{CHECK_REDUCE_CHECKSUM} (reduce-scatter)"] = "the reduction is not FSDP2's plain average (a divide factor, " \
+                                                           "fp16 pre/post-division, or sum-only comms)"
+    if layout.hsdp:
+        if all_reduce_checked:
+            runs[f"{CHECK_REDUCE_CHECKSUM} (all-reduce)"] = f"HSDP's all-reduce across {layout.replicas} replicas"
+        else:
+            off[f"{CHECK_REDUCE_CHECKSUM} (all-reduce)"] = "the all-reduce is not FSDP2's plain average, or a user " \
+                                                           "all-reduce hook is set"
+        runs[CHECK_WEIGHTS] = (f"every shard's fingerprint across its {layout.replicas} replicas"
+                               + ("" if layout.replicas >= 3 else "; with 2 replicas a difference is ambiguous "
+                                  "(no strict majority): both replicas are named"))
+    else:
+        off[CHECK_WEIGHTS] = ("one replica: no shard has a copy to compare with; nothing covers a corrupted "
+                              "weight shard yet (check 2's replay by shard group would see its effect)")
+    off[CHECK_REPLAY] = "the replay of a shard group's batch is not implemented for sharded models yet"
+    return CheckPlan(runs, off)
+
+
+# -- reading the FSDP2 module tree ------------------------------------------------------------
+
+def param_groups(model: torch.nn.Module) -> Iterator[tuple[str, Any, Any]]:
+    """``(module path, FSDP module, its FSDPParamGroup)`` of every ``fully_shard`` call that holds
+    parameters, in module order (the same on every rank)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for path, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                yield path, module, group
+
+
+def read_layout(model: torch.nn.Module) -> ShardLayout:
+    """The layout of an FSDP2 model; every ``fully_shard`` must use the same mesh (one mesh, 1-D or
+    ``(replicate, shard)``), else TypeError naming the module that differs."""
+    seen: tuple[list[Any], str] | None = None
+    for path, _, group in param_groups(model):
+        info = group.mesh_info
+        mesh = info.mesh
+        if info.shard_mesh_dim is None or mesh.ndim > 2 or (mesh.ndim == 2 and info.replicate_mesh_dim is None):
+            raise TypeError(f"sdcguard: fully_shard({path or 'root'}) uses a mesh sdcguard does not support yet: "
+                            "one shard dimension, optionally one replicate dimension (HSDP)")
+        ranks = mesh.mesh.tolist()
+        if mesh.ndim == 2 and info.replicate_mesh_dim != 0:
+            ranks = [list(col) for col in zip(*ranks)]
+        if seen is not None and seen[0] != ranks:
+            raise TypeError(f"sdcguard: fully_shard({path or 'root'}) uses another mesh than {seen[1] or 'root'}; "
+                            "sdcguard needs one data-parallel mesh for the whole model")
+        seen = (ranks, path)
+    if seen is None:
+        raise TypeError("sdcguard: the FSDP2 model holds no sharded parameters")
+    layout = layout_of(seen[0], dist.get_rank())
+    if layout.shards < 2:
+        raise TypeError("sdcguard: a shard dimension of size 1 has no reduce-scatter to check; use DDP")
+    return layout

@@ -1,0 +1,175 @@
+"""FSDP2's gradient reduction, recorded on the way in and out: what checks 1 and 4 need of a
+sharded model (the counterpart of ``checks/commhook.py`` for DDP).
+
+FSDP2 reduces each ``fully_shard`` unit's gradients in ``foreach_reduce``: the local unsharded
+gradients are copied into one flat input laid out as ``S`` rows (row ``j`` goes to shard rank
+``j``), divided if needed, reduce-scattered within the shard group with the op FSDP2 chose (on
+float32/bfloat16 without a divide factor: ``ReduceOp.AVG``), and for HSDP the output is then
+all-reduced across the replicas (``AVG`` again), after which the all-reduce hook runs. Two public
+hook points see exactly those tensors, and nothing here changes a bit of them:
+
+  - ``FSDPModule.set_custom_reduce_scatter``: :class:`RecordingReduceScatter` reads each row of
+    this rank's input — the local gradient *before* any other rank's is added — for its weighted
+    checksum and squared norm (``reduce_checksum.ChecksumWeights``: check 4's operands, and check
+    1's finiteness), calls the reduce-scatter FSDP2 would have called (same tensors, same op, same
+    group), and reads the output's checksum and squared norm;
+  - ``FSDPModule.set_all_reduce_hook`` (HSDP only): the all-reduced shard's checksum.
+
+The reduce-scatter output is the all-reduce's local operand, so its checksum serves both checks.
+Faults for tests and drills plug in through ``before_reduce_scatter`` / ``after_reduction``, so
+they strike before the recording, where failing hardware would.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from ..checks.exchange import hold
+from ..checks.reduce_checksum import ChecksumWeights
+from .layout import ShardLayout, param_groups
+
+__all__ = ["Reduction", "ShardedRecorder", "RecordingReduceScatter"]
+
+TensorHook = Callable[[int, torch.Tensor], None]
+"""``hook(unit, tensor)``: may change the tensor in place (a fault); runs before it is recorded."""
+
+
+@dataclass(slots=True)
+class Reduction:
+    """What one reduce-scatter (and its all-reduce) of one unit recorded on this rank."""
+
+    unit: int
+    chunks: torch.Tensor
+    """``(S, 2)`` float64: ``[checksum, squared norm]`` of each row of this rank's local input."""
+    elements: int
+    """Elements of one row (the output shard), padding included."""
+    dtype: torch.dtype
+    shard: torch.Tensor | None = None
+    """``[checksum, squared norm]`` of this rank's reduce-scatter output."""
+    replicated: torch.Tensor | None = None
+    """The checksum of the all-reduce's output (HSDP), once the all-reduce hook ran."""
+    rs_checked: bool = True
+    """The reduce-scatter is FSDP2's plain average (check 4 applies to it)."""
+    ar_checked: bool = False
+    """An all-reduce averages exactly this output across replicas (HSDP, not deferred)."""
+
+
+class ShardedRecorder:
+    """State of the recording hooks of every unit: settings first, then one step's records."""
+
+    __slots__ = ("layout", "weights", "units", "before_reduce_scatter", "after_reduction", "user_all_reduce_hooks",
+                 "records", "last")
+
+    def __init__(self, layout: ShardLayout, seed: int = 0) -> None:
+        # Settings.
+        self.layout = layout
+        self.weights = ChecksumWeights(seed)
+        self.units: list[tuple[str, Any]] = []
+        """``(module path, FSDPParamGroup)`` per unit, in module order (the same on every rank)."""
+        self.before_reduce_scatter: list[TensorHook] = []
+        """Run on the local input before it is recorded (fault injection)."""
+        self.after_reduction: list[TensorHook] = []
+        """Run on the reduced shard — the all-reduce's output with HSDP, else the reduce-scatter's —
+        before it is recorded (fault injection)."""
+        self.user_all_reduce_hooks: dict[int, Callable[[torch.Tensor], None]] = {}
+        # Per step.
+        self.records: list[Reduction] = []
+        self.last: dict[int, Reduction] = {}
+        """unit -> its latest reduce-scatter, which the all-reduce hook completes."""
+
+    def install(self, model: torch.nn.Module) -> None:
+        """Put the recording reduce-scatter (and, for HSDP, the all-reduce hook) on every unit."""
+        for unit, (path, module, group) in enumerate(param_groups(model)):
+            self.units.append((path, group))
+            module.set_custom_reduce_scatter(RecordingReduceScatter(self, unit, group, group._reduce_scatter_comm))
+            if self.layout.hsdp:
+                if group._all_reduce_hook is not None:
+                    self.user_all_reduce_hooks[unit] = group._all_reduce_hook
+                module.set_all_reduce_hook(_AllReduceRecorder(self, unit))
+
+    def begin_step(self, step: int) -> None:
+        """Forget the previous step; this step's checksum weights are offset by ``step``."""
+        self.weights.begin_step(step)
+        self.records = []
+        self.last = {}
+
+    # -- called by the hooks -------------------------------------------------------------------
+
+    def local_input(self, unit: int, flat: torch.Tensor, op: Any, group: Any) -> Reduction:
+        for hook in self.before_reduce_scatter:
+            hook(unit, flat)
+        shards = self.layout.shards
+        rows = flat.view(shards, -1)
+        index = unit * shards
+        chunks = torch.stack([self.weights.terms(index + j, rows[j]) for j in range(shards)])
+        plain = op == dist.ReduceOp.AVG
+        hsdp_next = self.layout.hsdp and group.all_reduce_grads
+        record = Reduction(unit, chunks, rows.shape[1], flat.dtype, rs_checked=plain,
+                           # the all-reduce's input is exactly this output only without an earlier
+                           # partial (set_requires_all_reduce(False)) and with FSDP2's plain average
+                           ar_checked=bool(hsdp_next and plain and group._partial_reduce_output is None
+                                           and group.gradient_divide_factor is None
+                                           and unit not in self.user_all_reduce_hooks))
+        self.records.append(record)
+        self.last[unit] = record
+        return record
+
+    def reduced_shard(self, record: Reduction, output: torch.Tensor, shard_index: int) -> None:
+        if not self.layout.hsdp:
+            for hook in self.after_reduction:
+                hook(record.unit, output)
+        record.shard = self.weights.terms(record.unit * self.layout.shards + shard_index, output)
+
+    def replicated_shard(self, unit: int, output: torch.Tensor) -> None:
+        user = self.user_all_reduce_hooks.get(unit)
+        if user is not None:
+            user(output)
+        for hook in self.after_reduction:
+            hook(unit, output)
+        record = self.last.get(unit)
+        if record is None or record.shard is None:
+            return
+        shard_index = self.layout.coordinates(self.layout.rank)["shard"]
+        record.replicated = self.weights.checksum(unit * self.layout.shards + shard_index, output)
+
+
+class RecordingReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter of one unit, with this rank's input and output recorded."""
+
+    def __init__(self, recorder: ShardedRecorder, unit: int, group: Any, inner: ReduceScatter) -> None:
+        self.recorder = recorder
+        self.unit = unit
+        self.group = group
+        """The unit's FSDPParamGroup (is an all-reduce to follow, and of what)."""
+        self.inner = inner
+        """The reduce-scatter FSDP2 had (its default one, or the user's custom one)."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> dist.Work | None:
+        record = self.recorder.local_input(self.unit, input_tensor, op, self.group)
+        work = self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op, async_op=async_op)
+        if work is not None:
+            hold(work)
+            work.wait()  # the output is read below (on a GPU, this only orders the stream)
+        self.recorder.reduced_shard(record, output_tensor, dist.get_rank(group))
+        return work
+
+
+class _AllReduceRecorder:
+    """FSDP2's all-reduce hook for one unit: runs after HSDP's all-reduce, on its output."""
+
+    __slots__ = ("recorder", "unit")
+
+    def __init__(self, recorder: ShardedRecorder, unit: int) -> None:
+        self.recorder = recorder
+        self.unit = unit
+
+    def __call__(self, output: torch.Tensor) -> None:
+        self.recorder.replicated_shard(self.unit, output)
