@@ -8,7 +8,8 @@ launch (each scenario writes OUT/<mesh>-<scenario>-rank<r>.json):
            gradient (check 1 names it before the reduction), a scaled element of one rank's
            reduced shard (check 4 names the reduction group), and on HSDP a flipped bit in one
            replica's stored weight shard and one in one rank's gradient shard after the reduction
-           (check 3 names the replica, with its coordinates).
+           (check 3 names the replica, with its coordinates);
+  deferred (HSDP) accumulation with the all-reduce deferred to the last micro-batch: bit for bit.
 """
 import contextlib
 import json
@@ -100,6 +101,32 @@ def guarded(mesh, rank):
     return losses, shards_digest(model), guard
 
 
+def deferred(mesh, rank, out, name):
+    """HSDP accumulation with the all-reduce deferred to the last micro-batch
+    (``set_requires_all_reduce(False)``): bit for bit plain FSDP2, no false alarm (check 4 then
+    covers the reduce-scatters only)."""
+    results = []
+    for guarded_run in (False, True):
+        model, opt = build(mesh)
+        guard = sdcguard.Guard(model, opt, loss_fn, config=Config(audit_every=0, weight_check_every=1)) if guarded_run else None
+        for step in range(2):
+            with guard.step(step, micro_batches=MICRO) if guard else contextlib.nullcontext() as s:
+                for i in range(MICRO):
+                    model.set_requires_all_reduce(i == MICRO - 1)
+                    if guard:
+                        s.backward(batch(step, rank, i), divide_by=MICRO)
+                    else:
+                        with seeded(forward_seed(0, step, rank, i), torch.device("cpu")):
+                            (loss_fn(model, batch(step, rank, i)) / MICRO).backward()
+                if guard:
+                    s.check()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        results.append(shards_digest(model))
+    return {"plain": results[0], "guarded": results[1], "alarms": guard.alarms_raised,
+            "reduction_verified": guard.history.last_reduction_verified_step}
+
+
 def exact(mesh, rank, out, name):
     ref_losses, ref = plain(mesh, rank)
     losses, mine, guard = guarded(mesh, rank)
@@ -178,7 +205,8 @@ def main(out):
         if hsdp:
             specs += ["weight-bitflip:rank=3:step=2:element=2",          # check 3: replica of rank 3
                       "grad-bitflip:rank=2:step=3:element=1"]            # check 3: rank 2's gradient shard
-        for scenario, run in (("exact", exact), ("faults", lambda *a: faults(*a, specs))):
+        scenarios = [("exact", exact), ("faults", lambda *a: faults(*a, specs))] + ([("deferred", deferred)] if hsdp else [])
+        for scenario, run in scenarios:
             result = run(mesh, rank, out, name)
             with open(os.path.join(out, f"{name}-{scenario}-rank{rank}.json"), "w") as fh:
                 json.dump(result, fh, default=str)

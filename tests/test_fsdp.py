@@ -251,3 +251,13 @@ def test_a_flipped_bit_in_one_ranks_gradient_shard_is_named_by_check3(runs):
 def test_sharded_checkpoints_are_refused_until_dcp_is_verified(runs):
     for mesh in MESHES:
         assert "DCP" in runs(mesh, "faults")[0]["refused"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mesh", ["hsdp2x2", "hsdp3x2"])
+def test_a_deferred_all_reduce_is_bitwise_plain_fsdp2_without_false_alarms(runs, mesh):
+    # set_requires_all_reduce(False) on the first micro-batch: its reduce-scatter output is kept as
+    # FSDP2's partial and added before the last one's all-reduce, so that all-reduce's operand is
+    # no single reduce-scatter's output: check 4 leaves it out (check 1 still sees it)
+    for r in runs(mesh, "deferred"):
+        assert r["alarms"] == 0 and r["guarded"] == r["plain"] and r["reduction_verified"] == 1
