@@ -67,10 +67,11 @@ def step_vote(records: list[Reduction], layout: ShardLayout, losses: list[torch.
     """This rank's vote and row from its reductions of one step (no collectives)."""
     coefficients = coefficients or VoteCoefficients()
     S, R = layout.shards, layout.replicas
-    zero = torch.zeros(2, dtype=torch.float64)
-    rs, ar = zero.clone(), zero.clone()
-    local_sq = torch.zeros((), dtype=torch.float64)
-    reduced = torch.zeros((), dtype=torch.float64)
+    device = records[0].chunks.device if records else torch.device("cpu")
+    rs = torch.zeros(2, dtype=torch.float64, device=device)
+    ar = torch.zeros(2, dtype=torch.float64, device=device)
+    local_sq = torch.zeros((), dtype=torch.float64, device=device)
+    reduced = torch.zeros((), dtype=torch.float64, device=device)
     rs_elements = ar_elements = 0
     dtypes: set[torch.dtype] = set()
     buckets = 0
@@ -101,7 +102,8 @@ def step_vote(records: list[Reduction], layout: ShardLayout, losses: list[torch.
             else:
                 ar = ar + 0 * part
     first = next((i for i, loss in enumerate(losses) if not bool(torch.isfinite(loss).all())), -1)
-    row = torch.stack([local_sq, reduced, torch.tensor(float(first), dtype=torch.float64), rs[0], rs[1], ar[0], ar[1]])
+    row = torch.stack([local_sq, reduced, torch.tensor(float(first), dtype=torch.float64, device=device),
+                       rs[0], rs[1], ar[0], ar[1]])
     checked = rs_elements or ar_elements
     shape = None if not checked else Shape(
         world=max(S, R if ar_elements else 1), buckets=buckets,
