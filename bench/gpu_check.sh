@@ -3,7 +3,13 @@
 #   1. the fused Triton fingerprint, compiled, against the SPEC §3 reference (same cases as the
 #      CPU interpreter test), and the automatic choice's self-test;
 #   2. fingerprint throughput vs copy bandwidth for both backends (bench/fingerprint.py checks
-#      each size bit for bit against the CPU before timing it).
+#      each size bit for bit against the CPU before timing it);
+#   3. bench/gpu_single.py: check 4's cost per bucket against copy_ and its bound on the device
+#      (no false alarm, a corruption caught), the replay bit for bit with deterministic
+#      algorithms (float32 and bf16 autocast), and one rank's per-step account.
+# What one GPU cannot show: NCCL collectives between ranks and the overhead ratios against DDP
+# (each NCCL rank needs its own GPU); those need a multi-GPU node.
+# Expected time: under 5 minutes (most of it Triton compiling the kernel).
 # Everything it prints also lands in $OUT (or /tmp/gpu-check). Usage, from the repository root:
 #   bash bench/gpu_check.sh
 set -uo pipefail
@@ -26,4 +32,6 @@ for backend in triton torch; do
         | tee "$out/fingerprint-$backend.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 done
+timeout 240 "$py" bench/gpu_single.py --device cuda 2>&1 | tee "$out/single-gpu.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
 exit $status
