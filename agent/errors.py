@@ -19,30 +19,22 @@ class SDCDetected(RuntimeError):
         super().__init__(f"silent data corruption: check {self.check} at step {self.step}: {who}")
 
 
-_SOLO = "with a single replica"
-
-
 class NonFiniteGradient(RuntimeError):
     """A NaN/Inf local gradient (or loss) that is *not* silent data corruption: replaying the batch
     on another node reproduced it, so the data or the model is at fault (or, with a single
-    replica or — for now — a sharded model, no replay ran: ``confirmed`` is False, and the message
-    says why). No alarm is published and
+    replica, there was nobody to replay it on: ``confirmed`` is False). No alarm is published and
     no rank is named; the step's update is refused. Raised on every rank with the same fields.
     ``Config(on_nonfinite="skip")`` skips such steps instead (counted and logged)."""
 
-    def __init__(self, *, step: int, ranks: dict[int, int | None], confirmed: bool,
-                 unconfirmed_because: str = _SOLO) -> None:
-        # unconfirmed_because: why no replay ran (a single replica; a sharded model, for now)
+    def __init__(self, *, step: int, ranks: dict[int, int | None], confirmed: bool) -> None:
         self.step = step
         self.ranks = dict(ranks)
         """rank -> the micro-batch index that went non-finite (None when not known)."""
         self.confirmed = confirmed
         where = ", ".join(f"rank {r}" + (f" micro-batch {m}" if m is not None else "") for r, m in sorted(ranks.items()))
-        how = "reproduced by a replay on another node" if confirmed else f"not confirmable {unconfirmed_because}"
-        blame = ("the data or the model is at fault, not the hardware" if confirmed or unconfirmed_because == _SOLO
-                 else "the hardware is not ruled out")
-        super().__init__(f"sdcguard: non-finite gradient at step {step} ({where}), {how}: {blame}; "
-                         "the update was not applied")
+        how = "reproduced by a replay on another node" if confirmed else "not confirmable with a single replica"
+        super().__init__(f"sdcguard: non-finite gradient at step {step} ({where}), {how}: the data or the "
+                         "model is at fault, not the hardware; the update was not applied")
 
 
 class UncheckedUpdate(RuntimeError):

@@ -99,8 +99,8 @@ class Guard:
         self.topology: Topology = (gather_topology(self.config, self.group, self.device)
                                    if self.ddp is not None or self.sharded else _solo_topology(self.config))
         self.solo = self.topology.world_size == 1
-        self._replays = not self.solo and not self.sharded
-        """Check 2 can run: more than one replica, and not (yet) a sharded model."""
+        self._replays = not self.solo
+        """Check 2 can run: more than one rank (a sharded model's ranks replay each other's batches)."""
         self.named_parameters = list(self.module.named_parameters())
         # The parts.
         self.recorder: GradientRecorder | None = None
@@ -131,7 +131,8 @@ class Guard:
         if self.sharded:  # the reduce-scatter and all-reduce hooks go on every fully_shard unit here
             from .sharding.verifier import ShardedVerifier
             self.verifier = ShardedVerifier(model=self.module, named_parameters=self.named_parameters,
-                                            device=self.device, stats=self.stats, seed=self.config.seed)
+                                            loss_fn=loss_fn, topology=self.topology, device=self.device,
+                                            stats=self.stats, seed=self.config.seed)
         else:
             self.verifier = Verifier(recorder=self.recorder, replayer=self.replayer, topology=self.topology,
                                      group=self.group, device=self.device, named_parameters=self.named_parameters,
@@ -180,8 +181,7 @@ class Guard:
         return s.loss
 
     def is_audit_step(self, step: int) -> bool:
-        # A single replica has nobody to replay its batch: check 2 needs two ranks at least (and
-        # has no sharded form yet).
+        # A single process has nobody to replay its batch: check 2 needs two ranks at least.
         if not self._replays:
             return False
         every = self.config.audit_every
@@ -316,7 +316,7 @@ class Guard:
         if self.recorder is not None:
             self.recorder.begin_step(s.audit, s.step)
         elif self.sharded:
-            self.verifier.begin_step(s.step)
+            self.verifier.begin_step(s.step, s.audit)
         self.stats.last_step = s.step
 
     def verify(self, s: Step) -> None:
@@ -348,8 +348,7 @@ class Guard:
         if self.scaler is not None:
             s.skipped = True
             return
-        error = NonFiniteGradient(step=s.step, ranks=ranks, confirmed=confirmed,
-                                  **({"unconfirmed_because": UNCONFIRMED_SHARDED} if self.sharded else {}))
+        error = NonFiniteGradient(step=s.step, ranks=ranks, confirmed=confirmed)
         if self.config.on_nonfinite != "skip":
             raise error
         log.warning("%s; skipping the step (on_nonfinite=skip)", error)
@@ -423,9 +422,6 @@ def _is_fsdp(module: torch.nn.Module) -> bool:
         return False
     from torch.distributed.fsdp import FSDPModule
     return isinstance(module, FSDPModule)
-
-
-UNCONFIRMED_SHARDED = "yet: sharded models have no replay (check 2) to confirm it"
 
 
 def _as_micro_batches(batch: Any, micro_batches: Sequence[Any] | None) -> Sequence[Any]:

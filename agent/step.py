@@ -90,6 +90,8 @@ class Step:
                 guard.recording = None
             scaled = weighting.apply(loss) if weighting is not None else loss
             (guard.scaler.scale(scaled) if guard.scaler is not None else scaled).backward()
+            if guard.sharded:  # the reduce-scatters that just ran belong to this micro-batch
+                guard.verifier.end_backward()
         self.batches.append(micro)
         self.weighting.append(weighting)
         if self.audit:

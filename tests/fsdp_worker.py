@@ -3,13 +3,20 @@
 Four ranks run HSDP 2 x 2 and pure FSDP over 4; six ranks run HSDP 3 x 2. For each mesh, in one
 launch (each scenario writes OUT/<mesh>-<scenario>-rank<r>.json):
   exact    plain FSDP2 (AdamW, 2 micro-batches, dropout, clip_grad_norm_) against the same loop
-           under guard.step with check 3 every step: every loss and every local shard bit for bit;
+           under guard.step with check 3 every step, without audits and with check 2 every step
+           (the mesh replays other ranks' batches): every loss and every local shard bit for bit,
+           and every sharded .grad the same object with the same bits after the replay;
   faults   one run with injected faults, each on its own step: an Inf in one rank's local
-           gradient (check 1 names it before the reduction), a scaled element of one rank's
-           reduced shard (check 4 names the reduction group), and on HSDP a flipped bit in one
-           replica's stored weight shard and one in one rank's gradient shard after the reduction
+           gradient (check 1 names it before the reduction; the replay does not reproduce it), a
+           scaled element of one rank's reduced shard (check 4 names the reduction group), and on
+           HSDP a flipped bit in one
+           replica's stored weight shard and a scaled element of one rank's shard after its update
            (check 3 names the replica, with its coordinates);
-  deferred (HSDP) accumulation with the all-reduce deferred to the last micro-batch: bit for bit.
+  deferred accumulation with the reduction deferred to the last micro-batch (HSDP: the all-reduce;
+           pure FSDP: the reduce-scatter too), audited: bit for bit;
+  replay_faults  audited every step: a flipped bit in one rank's backward, a scaled activation
+           in another's forward, a flipped bit in a rank's replay (check 2 names each rank), a
+           NaN in one rank's batch (reproduced by the replay: the data's, no alarm).
 """
 import contextlib
 import json
@@ -85,34 +92,46 @@ def plain(mesh, rank):
     return losses, shards_digest(model)
 
 
-def guarded(mesh, rank):
+def guarded(mesh, rank, audit_every=0):
     model, opt = build(mesh)
-    guard = sdcguard.Guard(model, opt, loss_fn, config=Config(audit_every=0, weight_check_every=1))
-    losses = []
+    guard = sdcguard.Guard(model, opt, loss_fn, config=Config(audit_every=audit_every, weight_check_every=1))
+    losses, kept = [], []
     for step in range(STEPS):
         with guard.step(step, micro_batches=MICRO) as s:
             for i in range(MICRO):
                 loss = s.backward(batch(step, rank, i), divide_by=MICRO)
                 losses.append(loss.view(torch.int32).item())
-            s.check()
+            grads = _grads(model)
+            s.check()  # the audit's replay runs in here
+            kept.append(_grads(model) == grads)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-    return losses, shards_digest(model), guard
+    return losses, shards_digest(model), guard, kept
+
+
+def _grads(model):
+    """Each sharded gradient: which object it is, and its local shard's bits."""
+    return [(id(p.grad), list(fingerprint(p.grad.to_local()))) for p in model.parameters()]
 
 
 def deferred(mesh, rank, out, name):
-    """HSDP accumulation with the all-reduce deferred to the last micro-batch
-    (``set_requires_all_reduce(False)``): bit for bit plain FSDP2, no false alarm (check 4 then
-    covers the reduce-scatters only)."""
+    """Accumulation with a deferred reduction — HSDP: the all-reduce deferred to the last
+    micro-batch (``set_requires_all_reduce(False)``); pure FSDP: the reduce-scatter too
+    (``set_requires_gradient_sync(False)``) — audited every step: bit for bit plain FSDP2, no false
+    alarm (check 4 then covers the reduce-scatters only; check 2's replay repeats the pattern)."""
     results = []
+    hsdp = mesh.ndim == 2
     for guarded_run in (False, True):
         model, opt = build(mesh)
-        guard = sdcguard.Guard(model, opt, loss_fn, config=Config(audit_every=0, weight_check_every=1)) if guarded_run else None
+        guard = sdcguard.Guard(model, opt, loss_fn, config=Config(audit_every=1, weight_check_every=1)) if guarded_run else None
         for step in range(2):
             with guard.step(step, micro_batches=MICRO) if guard else contextlib.nullcontext() as s:
                 for i in range(MICRO):
-                    model.set_requires_all_reduce(i == MICRO - 1)
+                    if hsdp:
+                        model.set_requires_all_reduce(i == MICRO - 1)
+                    else:
+                        model.set_requires_gradient_sync(i == MICRO - 1)
                     if guard:
                         s.backward(batch(step, rank, i), divide_by=MICRO)
                     else:
@@ -124,16 +143,53 @@ def deferred(mesh, rank, out, name):
                 opt.zero_grad(set_to_none=True)
         results.append(shards_digest(model))
     return {"plain": results[0], "guarded": results[1], "alarms": guard.alarms_raised,
-            "reduction_verified": guard.history.last_reduction_verified_step}
+            "reduction_verified": guard.history.last_reduction_verified_step,
+            "audited": guard.history.last_audited_step}
 
 
 def exact(mesh, rank, out, name):
     ref_losses, ref = plain(mesh, rank)
-    losses, mine, guard = guarded(mesh, rank)
-    return {"plain": [ref_losses, ref], "guarded": [losses, mine], "alarms": guard.alarms_raised,
-            "weights_verified": guard.last_weights_verified_step,
-            "reduction_verified": guard.history.last_reduction_verified_step,
+    runs = {}
+    for audit_every in (0, 1):  # unaudited, and check 2 (the mesh's replay) on every step
+        losses, mine, guard, kept = guarded(mesh, rank, audit_every)
+        runs[audit_every] = {"guarded": [losses, mine], "alarms": guard.alarms_raised, "grads_kept": kept,
+                             "weights_verified": guard.last_weights_verified_step,
+                             "reduction_verified": guard.history.last_reduction_verified_step,
+                             "audited": guard.history.last_audited_step}
+    return {"plain": [ref_losses, ref], "unaudited": runs[0], "audited": runs[1], "grads_kept": runs[1]["grads_kept"],
             "plan": guard.verifier.plan_lines()}
+
+
+def replay_faults(mesh, rank, out, name):
+    """Check 2 and check 1's confirmation by replay, audited every step, one fault per step: a
+    flipped bit in rank 1's local gradient (its backward), an activation of rank 2's forward
+    scaled, a flipped bit in rank 3's *replay* of another rank's batch, and a NaN in rank 2's
+    batch (the data's: reproduced by the replay, no alarm); then a clean step."""
+    model, opt = build(mesh)
+    guard = sdcguard.Guard(model, opt, loss_fn, config=Config(audit_every=1, weight_check_every=0,
+                                                              spool=os.path.join(out, f"{name}-spool")))
+    injector = ShardedFaultInjector(["grad-bitflip:rank=1:step=0:element=5",
+                                     "forward-scale:rank=2:step=1:site=hid:element=3",
+                                     "grad-bitflip:rank=3:step=2:element=5:during=replay"], rank)
+    injector.install(guard, param="out.weight")
+    seen = {}
+    for step in range(5):
+        injector.begin_step(step)
+        before = shards_digest(model)
+        micro = [batch(step, rank, i) for i in range(MICRO)]
+        if step == 3 and rank == 2:
+            micro[1][0][0, 0] = float("nan")  # the data's NaN, in micro-batch 1
+        try:
+            guard.train_step(step, micro_batches=micro)
+            seen[step] = {"ok": True}
+        except sdcguard.NonFiniteGradient as exc:
+            seen[step] = {"nonfinite": {str(r): m for r, m in exc.ranks.items()}, "confirmed": exc.confirmed}
+        except sdcguard.SDCDetected as exc:
+            seen[step] = {"alarm": exc.alarm}
+            guard.reporter.alarms_raised = 0
+        seen[step]["applied"] = shards_digest(model) != before
+    return {"steps": seen, "fired": injector.fired, "audited": guard.history.last_audited_step,
+            "alarms": guard.alarms_raised}
 
 
 def faults(mesh, rank, out, name, specs):
@@ -204,8 +260,9 @@ def main(out):
                  "reduce-scale:rank=3:step=1:param=hid.weight:magnitude=1e3"]  # check 4: rank 3's reduced shard
         if hsdp:
             specs += ["weight-bitflip:rank=3:step=2:element=2",          # check 3: replica of rank 3
-                      "grad-bitflip:rank=2:step=3:element=1"]            # check 3: rank 2's gradient shard
-        scenarios = [("exact", exact), ("faults", lambda *a: faults(*a, specs))] + ([("deferred", deferred)] if hsdp else [])
+                      "optimizer-scale:rank=2:step=3:element=1"]         # check 3: rank 2's updated shard
+        scenarios = [("exact", exact), ("faults", lambda *a: faults(*a, specs)), ("deferred", deferred),
+                     ("replay_faults", replay_faults)]
         for scenario, run in scenarios:
             result = run(mesh, rank, out, name)
             with open(os.path.join(out, f"{name}-{scenario}-rank{rank}.json"), "w") as fh:

@@ -1,7 +1,8 @@
 """sdcguard on models sharded with FSDP2 (``sdcguard.sharding``): the pure judgements in-process,
 then the real thing under torchrun over gloo — HSDP 2 x 2 and pure FSDP over 4 ranks in one launch,
-HSDP 3 x 2 in another (see fsdp_worker): a clean run is bit-identical to plain FSDP2, and injected
-faults are caught by the check that should catch them, naming the rank (or the reduction group)."""
+HSDP 3 x 2 in another (see fsdp_worker): a clean run, audited (check 2's replay by the whole mesh)
+or not, is bit-identical to plain FSDP2, and injected faults are caught by the check that should
+catch them, naming the rank (or the reduction group)."""
 import json
 import os
 import subprocess
@@ -12,12 +13,12 @@ import pytest
 import torch
 
 from sdcguard.checks.reduce_checksum import judge_checksum
-from sdcguard.errors import NonFiniteGradient
 from sdcguard.faults.sharded import _row_of
 from sdcguard.fingerprint import Fingerprint
 from sdcguard.sharding.layout import layout_of, plan_checks
 from sdcguard.sharding.reduce_record import ShardedRecorder
 from sdcguard.sharding.reduction_check import localize_checksum, step_vote
+from sdcguard.sharding.replay import own_pass, pass_key
 from sdcguard.sharding.shard_weights import judge_shard_weights, ranks_needed
 
 HERE = Path(__file__).parent
@@ -39,7 +40,7 @@ def test_layout_reads_the_mesh_grid():
 def test_the_plan_says_what_runs_for_each_mesh():
     pure = plan_checks(layout_of([0, 1, 2, 3], 0), reduce_scatter_checked=True, all_reduce_checked=True)
     assert "weights" in pure.off and "one replica" in pure.off["weights"]
-    assert "replay" in pure.off and "nonfinite-local" in pure.runs
+    assert "replay" in pure.runs and "nonfinite-local" in pure.runs and "confirmed" in pure.runs["nonfinite-local"]
     assert "reduce-checksum (all-reduce)" not in pure.runs
     two = plan_checks(layout_of([[0, 1], [2, 3]], 0), reduce_scatter_checked=True, all_reduce_checked=False)
     assert "ambiguous" in two.runs["weights"] and "reduce-checksum (all-reduce)" in two.off
@@ -156,10 +157,15 @@ def test_fault_layout_finds_an_element_in_the_reduce_scatter_rows():
     assert _row_of(2, torch.Size([3]), chunk_rows=2) == (1, 0)
 
 
-def test_an_unconfirmed_sharded_nonfinite_does_not_clear_the_hardware():
-    text = str(NonFiniteGradient(step=3, ranks={1: None}, confirmed=False, unconfirmed_because="yet: no replay"))
-    assert "not confirmable yet: no replay" in text and "hardware is not ruled out" in text
-    assert "not the hardware" in str(NonFiniteGradient(step=3, ranks={1: None}, confirmed=False))
+def test_the_replays_pass_keys_one_reduce_scatter_per_unit_and_micro_batch():
+    class _Rec:  # what own_pass reads of a Reduction
+        def __init__(self, unit, micro, sums):
+            self.unit, self.micro, self.fp = unit, micro, torch.tensor(sums)
+    own = own_pass([_Rec(2, 0, [5, 6]), _Rec(0, 0, [1, 2]), _Rec(2, 1, [7, 8])], [Fingerprint(9, 9)], units=3)
+    assert own.grad_fps == {pass_key(2, 0, 3): (5, 6), pass_key(0, 0, 3): (1, 2), pass_key(2, 1, 3): (7, 8)}
+    assert len({pass_key(u, m, 3) for u in range(3) for m in range(4)}) == 12
+    swapped = own_pass([_Rec(2, 0, [7, 8]), _Rec(0, 0, [1, 2]), _Rec(2, 1, [5, 6])], [Fingerprint(9, 9)], units=3)
+    assert swapped.digest() != own.digest()  # the same gradients in other micro-batches differ
 
 
 # -- under torchrun ------------------------------------------------------------------------------
@@ -188,12 +194,16 @@ MESHES = ["hsdp2x2", "hsdp3x2", "fsdp4"]
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mesh", MESHES)
 def test_a_clean_sharded_run_is_bitwise_plain_fsdp2(runs, mesh):
-    # AdamW, 2 micro-batches, dropout, clip_grad_norm_: every loss and every local shard equal
+    # AdamW, 2 micro-batches, dropout, clip_grad_norm_: every loss and every local shard equal,
+    # without audits and with check 2 (the whole mesh replaying other ranks' batches) on every step
     for r in runs(mesh, "exact"):
-        assert r["alarms"] == 0
-        assert r["guarded"] == r["plain"]
-        assert r["reduction_verified"] == 3          # check 4 ran and passed on every step
-        assert r["weights_verified"] == (None if mesh == "fsdp4" else 3)
+        for run, audited in (("unaudited", None), ("audited", 3)):
+            assert r[run]["alarms"] == 0
+            assert r[run]["guarded"] == r["plain"]
+            assert r[run]["reduction_verified"] == 3          # check 4 ran and passed on every step
+            assert r[run]["weights_verified"] == (None if mesh == "fsdp4" else 3)
+            assert r[run]["audited"] == audited               # check 2 ran and passed on every step
+        assert r["grads_kept"] == [True] * 4                  # .grad the same objects, the same bits, after the replay
 
 
 @pytest.mark.multiprocess
@@ -201,16 +211,20 @@ def test_the_start_up_plan_says_check3_cannot_run_on_pure_fsdp(runs):
     plan = "\n".join(runs("fsdp4", "exact")[0]["plan"])
     assert "FSDP over 4 ranks (one replica)" in plan and "does not run weights: one replica" in plan
     plan = "\n".join(runs("hsdp3x2", "exact")[0]["plan"])
-    assert "runs weights" in plan and "runs reduce-checksum (all-reduce)" in plan
+    assert "runs weights" in plan and "runs reduce-checksum (all-reduce)" in plan and "runs replay" in plan
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mesh", MESHES)
-def test_an_inf_in_one_ranks_local_gradient_is_named_before_the_reduction(runs, mesh):
+def test_an_inf_in_one_ranks_local_gradient_is_named_and_not_reproduced_by_the_replay(runs, mesh):
+    # no audits in this run: the confirmation replays anyway (the whole mesh, rank 1's batch on rank 0)
     for r in runs(mesh, "faults"):
         step = r["steps"]["0"]
-        assert step["nonfinite"] == {"1": None} and step["confirmed"] is False and not step["applied"]
-        assert "hardware is not ruled out" in step["message"]
+        alarm = step["alarm"]
+        assert (alarm["check"], alarm["suspect_ranks"], alarm["ambiguous"]) == ("nonfinite-local", [1], False)
+        assert alarm["evidence"]["confirmation"] == {"1": {"replayed_on": 0, "replay_grad_sq_norm": pytest.approx(
+            alarm["evidence"]["confirmation"]["1"]["replay_grad_sq_norm"]), "reproduced": False}}
+        assert not step["applied"]
 
 
 @pytest.mark.multiprocess
@@ -239,7 +253,7 @@ def test_a_flipped_weight_bit_in_one_replica_is_named_with_its_coordinates(runs)
 
 
 @pytest.mark.multiprocess
-def test_a_flipped_bit_in_one_ranks_gradient_shard_is_named_by_check3(runs):
+def test_a_corrupted_update_of_one_ranks_shard_is_named_by_check3(runs):
     alarm = runs("hsdp3x2", "faults")[0]["steps"]["3"]["alarm"]
     assert (alarm["check"], alarm["suspect_ranks"], alarm["ambiguous"]) == ("weights", [2], False)
     assert alarm["evidence"]["coordinates"] == {"2": {"replica": 1, "shard": 0}}
@@ -254,10 +268,61 @@ def test_sharded_checkpoints_are_refused_until_dcp_is_verified(runs):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mesh", ["hsdp2x2", "hsdp3x2"])
-def test_a_deferred_all_reduce_is_bitwise_plain_fsdp2_without_false_alarms(runs, mesh):
-    # set_requires_all_reduce(False) on the first micro-batch: its reduce-scatter output is kept as
-    # FSDP2's partial and added before the last one's all-reduce, so that all-reduce's operand is
-    # no single reduce-scatter's output: check 4 leaves it out (check 1 still sees it)
+@pytest.mark.parametrize("mesh", MESHES)
+def test_a_deferred_reduction_is_bitwise_plain_fsdp2_without_false_alarms(runs, mesh):
+    # HSDP: set_requires_all_reduce(False) on the first micro-batch: its reduce-scatter output is kept
+    # as FSDP2's partial and added before the last one's all-reduce, so that all-reduce's operand is
+    # no single reduce-scatter's output: check 4 leaves it out (check 1 still sees it). Pure FSDP:
+    # set_requires_gradient_sync(False), the local gradients accumulate unreduced. Audited: the
+    # replay repeats the pattern (and restores FSDP2's partial)
     for r in runs(mesh, "deferred"):
-        assert r["alarms"] == 0 and r["guarded"] == r["plain"] and r["reduction_verified"] == 1
+        assert r["alarms"] == 0 and r["guarded"] == r["plain"] and r["reduction_verified"] == 1 and r["audited"] == 1
+
+
+# -- check 2 ------------------------------------------------------------------------------------
+
+def _replay_alarm(runs, mesh, step):
+    results = runs(mesh, "replay_faults")
+    alarms = [{k: v for k, v in r["steps"][str(step)]["alarm"].items() if k != "time"} for r in results]
+    assert all(a == alarms[0] for a in alarms) and not any(r["steps"][str(step)]["applied"] for r in results)
+    return alarms[0]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mesh", MESHES)
+def test_a_flipped_bit_in_one_ranks_backward_is_named_by_the_replay(runs, mesh):
+    alarm = _replay_alarm(runs, mesh, 0)
+    assert (alarm["check"], alarm["suspect_ranks"], alarm["ambiguous"]) == ("replay", [1], False)
+    pair = alarm["evidence"]["pairs"][0]
+    assert (pair["replayer"], pair["owner"]) == (0, 1) and pair["loss_bits_owner"] == pair["loss_bits_replay"]
+    assert pair["differing_parameters"]["names"] == ["out (micro-batch 0)"]  # the unit, the micro-batch
+    assert alarm["evidence"]["tiebreaks"] == [{"replayer": 0, "owner": 1, "third": 2, "agrees_with": "replayer"}]
+    S = {"hsdp2x2": 2, "hsdp3x2": 2, "fsdp4": 4}[mesh]
+    assert alarm["evidence"]["coordinates"]["1"] == {"replica": 0, "shard": 1, "shard_group": list(range(S))}
+    assert alarm["suspects"][0]["rank"] == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mesh", MESHES)
+def test_a_corrupted_activation_in_one_ranks_forward_is_named_by_the_replay(runs, mesh):
+    alarm = _replay_alarm(runs, mesh, 1)
+    assert (alarm["check"], alarm["suspect_ranks"], alarm["ambiguous"]) == ("replay", [2], False)
+    pair = alarm["evidence"]["pairs"][0]
+    assert pair["loss_bits_owner"][0] != pair["loss_bits_replay"][0] and pair["loss_bits_owner"][1] == pair["loss_bits_replay"][1]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mesh", MESHES)
+def test_a_fault_in_a_replay_names_the_replayer_not_the_owner(runs, mesh):
+    alarm = _replay_alarm(runs, mesh, 2)
+    owner = 4 if mesh == "hsdp3x2" else 0                         # rank 3 replays rank 3 + 1 (mod W)
+    assert (alarm["check"], alarm["suspect_ranks"], alarm["ambiguous"]) == ("replay", [3], False)
+    assert alarm["evidence"]["tiebreaks"][0]["owner"] == owner and alarm["evidence"]["tiebreaks"][0]["agrees_with"] == "owner"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mesh", MESHES)
+def test_a_nan_in_the_data_is_reproduced_by_the_replay_and_raises_no_alarm(runs, mesh):
+    for r in runs(mesh, "replay_faults"):
+        assert r["steps"]["3"] == {"nonfinite": {"2": 1}, "confirmed": True, "applied": False}
+        assert r["steps"]["4"] == {"ok": True, "applied": True} and r["audited"] == 4

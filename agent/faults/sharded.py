@@ -10,18 +10,19 @@
 Same grammar as ``faults.spec``; ``element=N`` indexes the parameter's flattened tensor as this
 rank sees it where the fault strikes:
 
-  - ``grad-inf``: rank R's *local* gradient (the full, unsharded one, element N of the parameter),
-    inside FSDP2's reduce-scatter input, before check 1 reads it (``ShardedRecorder.before_reduce_scatter``);
-  - ``grad-bitflip``: rank R's gradient *shard* after the reduction, before the optimizer reads it
-    (memory corruption between the two; element N of the local shard). In a DDP job this kind
-    strikes the local gradient before the all-reduce, which only check 2's replay can see, and
-    sharded models have no replay yet;
+  - ``grad-inf`` / ``grad-bitflip``: rank R's *local* gradient (the full, unsharded one, element N
+    of the parameter) inside FSDP2's reduce-scatter input, before checks 1 and 2 read it
+    (``ShardedRecorder.before_reduce_scatter``), as a fault in R's backward would leave it: an Inf
+    (check 1) or a flipped top mantissa bit, finite (check 2's replay), as in a DDP job;
+  - ``forward-nan`` / ``forward-scale``: element N of the output of module ``site`` in rank R's
+    forward (a forward hook, as in a DDP job);
   - ``reduce-nan`` / ``reduce-scale``: the reduced shard (HSDP: the all-reduce's output; pure FSDP:
     the reduce-scatter's), on rank R or, without ``rank``, on every rank; element N of the local shard;
   - ``optimizer-scale``: element N of rank R's local shard, after its optimizer step;
   - ``weight-bitflip`` / ``weight-swap``: rank R's stored local shard, between steps (``begin_step``).
 
-The ``forward-*`` kinds are not wired for sharded models yet (refused at ``install``).
+A transient compute fault (forward, grad) strikes rank R's own pass once, or with
+``during=replay`` its replay of another rank's batch; a persistent one (``every=K``) strikes both.
 """
 from __future__ import annotations
 
@@ -30,8 +31,10 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
-from .injector import _flip_bit, _mantissa_bit, _swap_partner
+from ..checks.replay import replaying
+from .injector import _corrupt_output, _flip_bit, _mantissa_bit, _swap_partner
 from .spec import FaultSpec, FaultTargetError, parse_fault
+from .targets import resolve_module
 
 if TYPE_CHECKING:
     from ..guard import Guard
@@ -42,7 +45,8 @@ log = logging.getLogger("sdcguard.faults")
 
 
 class _ShardTarget:
-    """One fault's parameter: its unit, its offset in the unit's reduce-scatter row, its layout."""
+    """One fault's parameter: its unit, its offset in the unit's reduce-scatter row, its layout (for
+    a forward kind: the module, under a negative key of its own in place of a unit)."""
 
     __slots__ = ("name", "fsdp_param", "unit", "offset", "element")
 
@@ -73,24 +77,31 @@ class ShardedFaultInjector:
         self._handles: list[Any] = []
         self._shards = 1
 
-    def install(self, guard: Guard, *, param: str | None = None, element: int = 0) -> None:
-        """Find every fault's parameter (``param=`` in the fault, else ``param``) in the Guard's
-        sharded model and attach the hooks. Install after the Guard (it owns the reduce hooks)."""
+    def install(self, guard: Guard, *, param: str | None = None, site: str | None = None, element: int = 0) -> None:
+        """Find every fault's parameter (``param=`` in the fault, else ``param``) or, for the
+        forward kinds, module (``site=``, else ``site``) in the Guard's sharded model and attach
+        the hooks. Install after the Guard (it owns the reduce hooks)."""
         recorder = guard.verifier.recorder
         self._shards = recorder.layout.shards
         where = _locate(recorder, {id(p): n for n, p in guard.named_parameters})
         for fault in self.faults:
+            index = fault.element if fault.element is not None else element
             if fault.info.corrupts == "forward":
-                raise FaultTargetError(f"{fault}: forward faults are not wired for sharded models yet")
+                path = fault.site if fault.site is not None else site
+                if path is None:
+                    raise FaultTargetError(f"{fault} strikes a module's output: pass site='PATH' to install()")
+                name, module = resolve_module(guard.module, path)
+                key = -1 - len(self.targets)  # a forward target's own key where a unit would be
+                self.targets.append(_ShardTarget(name, module, key, 0, index))
+                self._handles.append(module.register_forward_hook(self._on_forward(key)))
+                continue
             name = fault.param if fault.param is not None else param
             if name is None or name not in where:
                 raise FaultTargetError(f"{fault}: no sharded parameter {name!r}; it has: {', '.join(where)}")
             unit, offset, fsdp_param = where[name]
-            index = fault.element if fault.element is not None else element
             self.targets.append(_ShardTarget(name, fsdp_param, unit, offset, index))
         recorder.before_reduce_scatter.append(self._on_local_gradient)
         recorder.after_reduction.append(self._on_reduced_shard)
-        self._handles.append(guard.optimizer.register_step_pre_hook(self._before_optimizer_step))
         self._handles.append(guard.optimizer.register_step_post_hook(self._after_optimizer_step))
 
     def begin_step(self, step: int) -> None:
@@ -108,11 +119,22 @@ class ShardedFaultInjector:
 
     # -- the hooks -----------------------------------------------------------------------------
 
+    def _on_forward(self, key: int) -> Any:
+        def on_output(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            for i in self._due("forward", key):
+                output = _corrupt_output(output, self.faults[i], self.targets[i])
+            return output
+        return on_output
+
     def _on_local_gradient(self, unit: int, flat: torch.Tensor) -> None:
-        for i in self._due("grad", unit, kinds={"grad-inf"}):
+        for i in self._due("grad", unit):
             t = self.targets[i]
             j, within = _row_of(t.element, t.fsdp_param._orig_size, t.fsdp_param.padded_sharded_param_size[0])
-            flat.view(self._shards, -1)[j, t.offset + within] = float("inf")
+            row = flat.view(self._shards, -1)[j]
+            if self.faults[i].kind == "grad-inf":
+                row[t.offset + within] = float("inf")
+            else:  # grad-bitflip: the top mantissa bit, a finite result
+                _flip_bit(row, t.offset + within, bit=_mantissa_bit(row, 1))
 
     def _on_reduced_shard(self, unit: int, flat: torch.Tensor) -> None:
         for i in self._due("reduce", unit):
@@ -123,12 +145,6 @@ class ShardedFaultInjector:
             if torch.equal(before, flat[at]):
                 log.warning("sdcguard fault injector: %s left %s unchanged (a zero, or shard padding): pick another "
                             "element", self.faults[i], t)
-
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for i in self._due("grad", kinds={"grad-bitflip"}):
-            grad = self.targets[i].param.grad
-            flat = _local(grad).view(-1)
-            _flip_bit(flat, self.targets[i].element, bit=_mantissa_bit(flat, 1))
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         for i in self._due("optimizer"):
@@ -145,7 +161,8 @@ class ShardedFaultInjector:
             if (kinds is not None and fault.kind not in kinds) or (unit is not None and self.targets[i].unit != unit):
                 continue
             if not fault.persistent:
-                if (i, self.step) in self._struck:
+                compute = fault.info.corrupts in ("forward", "grad")
+                if (compute and replaying() != (fault.during == "replay")) or (i, self.step) in self._struck:
                     continue
                 self._struck.add((i, self.step))
             due.append(i)

@@ -90,7 +90,9 @@ class CheckPlan:
 def plan_checks(layout: ShardLayout, *, reduce_scatter_checked: bool, all_reduce_checked: bool) -> CheckPlan:
     """Pure: what runs for this mesh (docs/design.md §3, "Sharded models")."""
     runs = {CHECK_NONFINITE_LOCAL: "each rank's local gradient, before its reduce-scatter; a NaN/Inf is "
-                                   "named by rank but not yet confirmed by a replay (confirmed=False)"}
+                                   "named by rank and confirmed by the mesh replaying its batch on another node",
+            CHECK_REPLAY: "on audit steps every rank replays another node's batch with the whole mesh and compares "
+                          "its local gradient, per unit and micro-batch, with the owner's, before the reduce-scatter"}
     off: dict[str, str] = {}
     if reduce_scatter_checked:
         runs[f"{CHECK_REDUCE_CHECKSUM} (reduce-scatter)"] = f"the reduce-scatter of each shard group ({layout.shards} ranks)"
@@ -108,8 +110,8 @@ def plan_checks(layout: ShardLayout, *, reduce_scatter_checked: bool, all_reduce
                                   "(no strict majority): both replicas are named"))
     else:
         off[CHECK_WEIGHTS] = ("one replica: no shard has a copy to compare with; nothing covers a corrupted "
-                              "weight shard yet (check 2's replay by shard group would see its effect)")
-    off[CHECK_REPLAY] = "the replay of a shard group's batch is not implemented for sharded models yet"
+                              "weight shard (every rank all-gathers the same corrupted shard, so check 2's "
+                              "replays agree with it)")
     return CheckPlan(runs, off)
 
 

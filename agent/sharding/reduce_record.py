@@ -18,10 +18,15 @@ hook points see exactly those tensors, and nothing here changes a bit of them:
 The reduce-scatter output is the all-reduce's local operand, so its checksum serves both checks.
 Faults for tests and drills plug in through ``before_reduce_scatter`` / ``after_reduction``, so
 they strike before the recording, where failing hardware would.
+
+On audit steps each local input is also fingerprinted (check 2 compares it with another rank's
+replay of this rank's batch); during that replay (``sharding/replay.py``) the same hook records the
+replayed local input into a :class:`ReplayTrace` instead and reduces nothing: the replay's
+reduce-scatter is a no-op, so no replayed gradient reaches another rank (docs/design.md §3).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -29,13 +34,25 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from ..checks.exchange import hold
+from ..checks.norms import squared_norm
 from ..checks.reduce_checksum import ChecksumWeights
+from ..fingerprint import fingerprint_sums
 from .layout import ShardLayout, param_groups
 
 __all__ = ["Reduction", "ShardedRecorder", "RecordingReduceScatter"]
 
 TensorHook = Callable[[int, torch.Tensor], None]
 """``hook(unit, tensor)``: may change the tensor in place (a fault); runs before it is recorded."""
+
+
+@dataclass(slots=True)
+class ReplayTrace:
+    """What the no-op reduce-scatters of one replay saw: per call ``(unit, micro-batch, local
+    input's fingerprint sums, its squared norm)``, in call order."""
+
+    micro: int = 0
+    """The micro-batch being replayed now (set by the replay loop)."""
+    calls: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -52,6 +69,10 @@ class Reduction:
     """``[checksum, squared norm]`` of this rank's reduce-scatter output."""
     replicated: torch.Tensor | None = None
     """The checksum of the all-reduce's output (HSDP), once the all-reduce hook ran."""
+    micro: int = 0
+    """The micro-batch whose backward ran this reduce-scatter."""
+    fp: torch.Tensor | None = None
+    """The local input's fingerprint sums (audit steps only; ``fingerprint_sums``, on its device)."""
     rs_checked: bool = True
     """The reduce-scatter is FSDP2's plain average (check 4 applies to it)."""
     ar_checked: bool = False
@@ -62,7 +83,7 @@ class ShardedRecorder:
     """State of the recording hooks of every unit: settings first, then one step's records."""
 
     __slots__ = ("layout", "weights", "units", "before_reduce_scatter", "after_reduction", "user_all_reduce_hooks",
-                 "records", "last")
+                 "records", "last", "fingerprints", "micro", "replay")
 
     def __init__(self, layout: ShardLayout, seed: int = 0) -> None:
         # Settings.
@@ -80,6 +101,12 @@ class ShardedRecorder:
         self.records: list[Reduction] = []
         self.last: dict[int, Reduction] = {}
         """unit -> its latest reduce-scatter, which the all-reduce hook completes."""
+        self.fingerprints = False
+        """Fingerprint each local input (this step is audited)."""
+        self.micro = 0
+        """The micro-batch whose backward runs now (``end_backward`` counts them)."""
+        self.replay: ReplayTrace | None = None
+        """Set while a replay runs: the hooks record into it and reduce nothing."""
 
     def install(self, model: torch.nn.Module) -> None:
         """Put the recording reduce-scatter (and, for HSDP, the all-reduce hook) on every unit."""
@@ -91,13 +118,35 @@ class ShardedRecorder:
                     self.user_all_reduce_hooks[unit] = group._all_reduce_hook
                 module.set_all_reduce_hook(_AllReduceRecorder(self, unit))
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, audit: bool = False) -> None:
         """Forget the previous step; this step's checksum weights are offset by ``step``."""
         self.weights.begin_step(step)
         self.records = []
         self.last = {}
+        self.fingerprints = audit
+        self.micro = 0
+
+    def end_backward(self) -> None:
+        """One micro-batch's backward is done (its reduce-scatters have run)."""
+        self.micro += 1
+
+    def sync_pattern(self) -> dict[int, set[int]]:
+        """micro-batch -> the units that reduce-scattered in its backward (FSDP2 may accumulate
+        without reducing: ``set_requires_gradient_sync(False)``); a replay repeats it."""
+        pattern: dict[int, set[int]] = {}
+        for rec in self.records:
+            pattern.setdefault(rec.micro, set()).add(rec.unit)
+        return pattern
 
     # -- called by the hooks -------------------------------------------------------------------
+
+    def replayed_input(self, unit: int, flat: torch.Tensor) -> None:
+        """A replay's local input: recorded in the trace, never reduced."""
+        for hook in self.before_reduce_scatter:
+            hook(unit, flat)
+        trace = self.replay
+        assert trace is not None
+        trace.calls.append((unit, trace.micro, fingerprint_sums([flat])[0], squared_norm(flat)))
 
     def local_input(self, unit: int, flat: torch.Tensor, op: Any, group: Any) -> Reduction:
         for hook in self.before_reduce_scatter:
@@ -113,7 +162,8 @@ class ShardedRecorder:
                            # partial (set_requires_all_reduce(False)) and with FSDP2's plain average
                            ar_checked=bool(hsdp_next and plain and group._partial_reduce_output is None
                                            and group.gradient_divide_factor is None
-                                           and unit not in self.user_all_reduce_hooks))
+                                           and unit not in self.user_all_reduce_hooks),
+                           micro=self.micro, fp=fingerprint_sums([flat])[0] if self.fingerprints else None)
         self.records.append(record)
         self.last[unit] = record
         return record
@@ -153,6 +203,10 @@ class RecordingReduceScatter(ReduceScatter):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> dist.Work | None:
+        if self.recorder.replay is not None:  # a replay: record its local input, reduce nothing
+            self.recorder.replayed_input(self.unit, input_tensor)
+            output_tensor.zero_()
+            return None
         record = self.recorder.local_input(self.unit, input_tensor, op, self.group)
         work = self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op, async_op=async_op)
         if work is not None:
