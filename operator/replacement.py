@@ -259,6 +259,7 @@ def _phase(body: dict[str, Any], phase: str, event: str, message: str, **fields:
                          **fields).get("status") or {}
     if moved and moved[0]:
         metrics.REPLACEMENTS.labels(phase).inc()
+    _export_pending(name, {**body, "status": status})  # a terminal phase gets no more timer ticks to do it
     return status  # the incidents read the new phase themselves (incident.follow)
 
 
@@ -295,11 +296,13 @@ def _age(stamp: str) -> float:
 
 def _claim_attempt(body: dict[str, Any], key: str, seen: dict[str, Any]) -> None:
     """Write the intent of a new attempt, conditional on the object being as last seen: of two
-    callers only one wins; the other gets a TemporaryError and reads again."""
+    callers only one wins; the other gets a TemporaryError and reads again.  The attempt count is
+    compared too: timestamps have whole seconds, so two attempts within one second look alike."""
     previous = seen.get("attemptedAt")
     attempts = int(seen.get("attempts", 0)) + 1
     claimed = kube.claim(names.REPLACEMENTS, None, body["metadata"]["name"],
                          lambda st: (st.get(key) or {}).get("attemptedAt") == previous
+                         and int((st.get(key) or {}).get("attempts", 0)) == attempts - 1
                          and not (st.get(key) or {}).get("requestedAt"),
                          {key: {"attemptedAt": kube.now(), "attemptedBy": kube.IDENTITY, "attempts": attempts}})
     if claimed is None:
