@@ -1,9 +1,17 @@
-"""Shared test set-up: the ``operator`` marker and a world for operator tests.
+"""Shared test set-up: the ``operator`` marker and the worlds of the operator tests.
 
 ``OperatorWorld`` is the product's sandbox (``sdcguard.sandbox.cluster.Sandbox``: the Kubernetes
 API emulator + the local SageMaker endpoint + the real operator run as a subprocess, ``sdcguard
 operator``, with short kopf delays) plus what only tests do: plant keys, post alarm Events with
-bad signatures. Operator test modules build one world per module (``make_world``).
+bad signatures.
+
+One world serves every test that asks for ``world`` (session-scoped: admission on, the storm
+guard raised so that the tests cannot hold each other back). Each of those tests uses its own
+namespace, job and nodes (``start_training``) and asks the SageMaker endpoint only about its own
+instances, so none needs a fresh world. They run last, one after another, wherever their module
+is (``pytest_collection_modifyitems``): the shared operator then runs only while they do, and every
+other world has been closed before it starts (kmock's emulators must stop last-in, first-out).
+A test that needs other operator settings builds its own with ``make_world`` (one set per module).
 
 The operator authenticates as its own service account (``OPERATOR_USER``); tests and kubectl as
 ``tester``. ``make_world(admission=True)`` also sends NodeReplacement writes through the
@@ -14,7 +22,7 @@ signs them (``alarm_event``).
 from __future__ import annotations
 
 import json
-import pathlib
+import re
 import secrets
 from typing import Any
 
@@ -111,6 +119,55 @@ def make_alarm(namespace: str, job: str, *, check: str = "replay", step: int = 4
         **recovery)
 
 
+def start_training(world: OperatorWorld, namespace: str, n_nodes: int = 3,
+                   enabled: bool = True) -> tuple[list[str], list[str], list[str]]:
+    """A training job ``llm`` with one pod on each of ``n_nodes`` fresh nodes: (instance ids, nodes, pods)."""
+    ids = [new_instance() for _ in range(n_nodes)]
+    nodes = [world.node(i) for i in ids]
+    pods = world.training(namespace, "llm", nodes, enabled=enabled)
+    return ids, nodes, pods
+
+
+def approved_replacement(world: OperatorWorld, namespace: str, job: str, script: list[str],
+                         step: int) -> tuple[str, str]:
+    """One suspect node of a new two-node job, whose BatchReplaceClusterNodes answers follow
+    ``script`` (each in flight for two polls); its replacement approved once PendingApproval.
+    Returns (node, instance)."""
+    ids = [new_instance() for _ in range(2)]
+    nodes = [world.node(i) for i in ids]
+    pods = world.training(namespace, job, nodes)
+    world.aws.script(ids[1], replace=script, replace_polls=2)
+    world.alarm_event(namespace, make_alarm(namespace, job, step=step, suspects=[(1, pods[1], nodes[1])],
+                                            reporter=(0, pods[0], nodes[0])))
+    world.wait(lambda: phase(world, nodes[1]) == "PendingApproval", what="PendingApproval")
+    assert world.kubectl("sdcguard", "approve", nodes[1]).returncode == 0
+    return nodes[1], ids[1]
+
+
+def phase(world: OperatorWorld, replacement: str) -> str | None:
+    """The NodeReplacement's phase (None before it has one)."""
+    return (world.replacement(replacement).get("status") or {}).get("phase")
+
+
+def condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    """The object's status condition of that type, if any."""
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), None)
+
+
+def metric(world: OperatorWorld, sample: str) -> float:
+    """One sample of the operator's /metrics (``name{labels}`` as exposed); 0 when absent."""
+    found = re.search(rf"^{re.escape(sample)} (\S+)$", world.metrics(), re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def _close(worlds: list[OperatorWorld]) -> None:
+    pruned = [path for world in worlds for path in world.kube.emulator.pruned]
+    for world in reversed(worlds):  # kmock's resolver hooks nest: stop the emulators last-in, first-out
+        world.close()
+    # A real API server would have dropped these fields silently: the operator must write none.
+    assert pruned == [], f"fields the CRD schemas do not declare (a real API server prunes them): {pruned}"
+
+
 @pytest.fixture(scope="module")
 def make_world(tmp_path_factory: pytest.TempPathFactory):
     """``make_world(**SDCGUARD_settings) -> OperatorWorld`` (operator started); all closed at module end."""
@@ -124,11 +181,33 @@ def make_world(tmp_path_factory: pytest.TempPathFactory):
         return world
 
     yield factory
-    pruned = [path for world in worlds for path in world.kube.emulator.pruned]
-    for world in reversed(worlds):  # kmock's resolver hooks nest: stop the emulators last-in, first-out
-        world.close()
-    # A real API server would have dropped these fields silently: the operator must write none.
-    assert pruned == [], f"fields the CRD schemas do not declare (a real API server prunes them): {pruned}"
+    _close(worlds)
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory: pytest.TempPathFactory):
+    """The shared world (see the module's docstring): NodeReplacement writes pass the operator's
+    admission webhook, and up to 50 suspect nodes are held at once."""
+    shared = OperatorWorld(tmp_path_factory.mktemp("shared-world"), admission=True,
+                           SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES="50")
+    shared.start_operator()
+    yield shared
+    _close([shared])
+
+
+def _on_shared_world(item: pytest.Item) -> bool:
+    """The test asks for the session's ``world``: not for a module's own fixture of that name, nor
+    for a parameter called so (a world size)."""
+    module, callspec = getattr(item, "module", None), getattr(item, "callspec", None)
+    return "world" in getattr(item, "fixturenames", ()) and not hasattr(module, "world") \
+        and "world" not in (callspec.params if callspec else {})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests on the shared world run last, together (in their collected order)."""
+    shared = [item for item in items if _on_shared_world(item)]
+    if shared:
+        items[:] = [item for item in items if not _on_shared_world(item)] + shared
 
 
 def dump(obj: Any) -> str:

@@ -7,6 +7,10 @@ and the group ``oncall`` hold ``approve``; ``pat`` holds nothing (in a real clus
 only, which is what lets a request reach the webhook at all). The CRD's CEL rules are evaluated
 with ``cel-python`` the way the API server applies them (transition rules: a field's rule when the
 field is in both the old and the new object; the spec's rules on every update).
+
+The last test (marked ``operator``) drives the same rules end to end on the shared world
+(tests/conftest.py): ``kubectl sdcguard`` and ``kubectl patch`` against the real operator, whose
+webhook the Kubernetes emulator calls as the API server would.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from typing import Any, Iterator
 import jsonpatch
 import pytest
 import yaml
+from conftest import make_alarm, phase, start_training
 
 import sdcguard_operator.admission as admission
 import sdcguard_operator.kube as operator_kube
@@ -227,3 +232,41 @@ SPEC = replacement()["spec"]
 ])
 def test_crd_rules_hold_without_the_webhook(case: str, old: dict, new: dict, refused: list[str]) -> None:
     assert cel_refusals(old, new) == refused
+
+
+@pytest.mark.operator
+def test_deciding_needs_the_approve_verb_and_the_target_is_fixed_at_admission(world):
+    ns = "admission"
+    ids, nodes, pods = start_training(world, ns, n_nodes=2)
+    world.alarm_event(ns, make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[1])], reporter=(0, pods[0], nodes[0])))
+    world.wait(lambda: phase(world, nodes[1]) == "PendingApproval", what="PendingApproval")
+    mallory = world.kube.add_user("mallory-token", "mallory")  # may patch (in a real cluster), not approve
+    refused = world.kubectl("sdcguard", "approve", nodes[1], kubeconfig=mallory)
+    assert refused.returncode == 1
+    assert f"mallory may not decide NodeReplacement {nodes[1]}" in refused.stderr
+    assert "RBAC verb approve on nodereplacements.sdcguard.dev" in refused.stderr
+    forged = world.kubectl("patch", "nodereplacement", nodes[1], "--type=merge", "-p", json.dumps(
+        {"spec": {"decision": "Approved", "decidedBy": "tester"}}), kubeconfig=mallory)
+    assert forged.returncode != 0 and "mallory may not decide" in forged.stderr
+    review = world.kube.emulator.access_reviews[-1]
+    assert review["spec"]["user"] == "mallory" and review["spec"]["resourceAttributes"] == {
+        "group": "sdcguard.dev", "resource": "nodereplacements", "verb": "approve", "name": nodes[1]}
+    # an approver may decide, but not redirect the replacement or speak for someone else
+    moved = world.kubectl("patch", "nodereplacement", nodes[1], "--type=merge", "-p",
+                          json.dumps({"spec": {"instanceId": ids[0]}}))
+    assert moved.returncode != 0 and "spec.instanceId: the target of a NodeReplacement is fixed" in moved.stderr
+    claimed = world.kubectl("patch", "nodereplacement", nodes[1], "--type=merge", "-p",
+                            json.dumps({"spec": {"decidedBy": "someone-else"}}))
+    assert claimed.returncode != 0 and "never written by a client" in claimed.stderr
+    assert world.replacement(nodes[1])["spec"].get("decision", "") == ""
+    # approval through a group binding; a client's own decidedBy is overwritten with the real user
+    carol = world.kube.add_user("carol-token", "carol", groups=["oncall"])
+    world.kube.grant("group:oncall", "approve", "nodereplacements.sdcguard.dev")
+    done = world.kubectl("patch", "nodereplacement", nodes[1], "--type=merge", "-p", json.dumps(
+        {"spec": {"decision": "Denied", "decidedBy": "mallory", "decisionReason": "false alarm"}}), kubeconfig=carol)
+    assert done.returncode == 0, done.stderr
+    spec = world.replacement(nodes[1])["spec"]
+    assert (spec["decidedBy"], spec["decidedByGroups"]) == ("carol", ["oncall", "system:authenticated"])
+    world.wait(lambda: phase(world, nodes[1]) == "Denied", what="Denied")
+    assert world.replacement(nodes[1])["status"]["decision"]["by"] == "carol"
+    assert world.aws.calls("BatchReplaceClusterNodes", ids[1]) == []

@@ -326,6 +326,26 @@ def test_chart_crds_and_plain_manifests_do_not_drift(tmp_path: Path) -> None:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
+@pytest.mark.parametrize("name", ["sdcincident.yaml", "nodereplacement.yaml"])
+def test_crds_have_schema_status_and_printer_columns(name: str) -> None:
+    crd = yaml.safe_load((DEPLOY / "crds" / name).read_text())
+    version = crd["spec"]["versions"][0]
+    assert crd["spec"]["group"] == "sdcguard.dev" and version["name"] == "v1"
+    assert version["subresources"] == {"status": {}}
+    columns = {c["name"] for c in version["additionalPrinterColumns"]}
+    props = version["schema"]["openAPIV3Schema"]["properties"]
+    assert {"spec", "status"} <= set(props)
+    if crd["spec"]["names"]["kind"] == "SDCIncident":
+        assert crd["spec"]["scope"] == "Namespaced"
+        assert {"Job", "Check", "Step", "Suspects", "Window", "Resume-From", "At-Risk", "Phase", "Age"} <= columns
+        status = props["status"]["properties"]
+        assert {"resumeFrom", "resumeFromStep", "suspectWindow", "stepsAtRisk"} <= set(status)
+    else:
+        assert crd["spec"]["scope"] == "Cluster"
+        assert {"Node", "Instance", "Phase", "Decision", "Age"} <= columns
+        assert props["spec"]["properties"]["decision"]["enum"] == ["", "Approved", "Denied"]
+
+
 def crd_validator(crd_file: Path) -> jsonschema.Draft7Validator:
     """The CRD's openAPIV3Schema as JSON Schema; fields the schema does not declare are errors
     (the API server would prune them silently: in an example that is a typo)."""

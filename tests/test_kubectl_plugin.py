@@ -1,6 +1,10 @@
 """``kubectl sdcguard incidents``: the real kubectl finds the plugin on PATH and reads the
 incidents from the Kubernetes emulator; no operator runs (the incidents are written as the
 operator writes them, including one from an older operator and one not yet opened).
+
+The last test (marked ``operator``) reads what the real operator wrote on the shared world
+(tests/conftest.py): ``kubectl sdcguard incidents`` and ``history``, and the CRDs' printer columns
+in ``kubectl get``. Approving and denying with the plugin: tests/test_approval.py, test_admission.py.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import sys
 
 import kubernetes
 import pytest
-from conftest import KUBECTL, make_alarm
+from conftest import KUBECTL, make_alarm, phase, start_training
 from sdcguard.sandbox.apiserver import start_emulator
 
 from sdcguard_operator import kubectl_plugin
@@ -139,3 +143,49 @@ def test_age_reads_like_kubectl() -> None:
     assert [kubectl_plugin.age(stamp, now) for stamp in (
         "2026-01-02T23:59:18Z", "2026-01-02T23:50:00Z", "2026-01-02T19:00:00Z", "2025-12-30T00:00:00Z", None,
         "yesterday")] == ["42s", "10m", "5h", "4d", "-", "-"]
+
+
+@pytest.mark.operator
+def test_kubectl_sdcguard_history_and_incidents(world):
+    ns = "listing"
+    ids, nodes, pods = start_training(world, ns)
+    world.alarm_event(ns, make_alarm(ns, "llm", suspects=[(1, pods[1], nodes[1])], reporter=(0, pods[0], nodes[0]),
+                                     window=(31, 40), last_good_checkpoint_step=19, steps_at_risk=21,
+                                     last_good_checkpoint_sha256="5a" * 32))
+    world.alarm_event(ns, make_alarm(ns, "llm", check="weights", step=7, suspects=[(2, pods[2], nodes[2])],
+                                     drill=True))  # no sha256 named, no step at risk; from a drill
+    world.wait(lambda: phase(world, nodes[1]) == "PendingApproval", what="PendingApproval")
+    assert world.kubectl("sdcguard", "approve", nodes[1]).returncode == 0
+    world.wait(lambda: world.incident(ns, "llm-replay-40")["status"].get("phase") == "Resolved", what="Resolved")
+    world.wait(lambda: phase(world, nodes[2]) == "PendingApproval", what="the drill's PendingApproval")
+
+    listing = world.kubectl("sdcguard", "incidents")
+    assert listing.returncode == 0, listing.stderr
+    header, *rows = listing.stdout.splitlines()
+    assert header.split() == COLUMNS
+    ours = {row.split()[1]: row.split() for row in rows if row.startswith(f"{ns} ")}
+    cells = ours["llm-replay-40"]
+    assert cells[1:5] == ["llm-replay-40", "llm", "replay", "40"] and cells[5] == nodes[1]
+    assert cells[6:13] == ["31-40", "checkpoint-19.pt", "(step", "19)", "5a" * 6, "21", "-"] and cells[13] == "Resolved"
+    assert ours["llm-weights-7"][8:11] == ["-", "-", "yes"]
+    history = world.kubectl("sdcguard", "history")
+    assert history.returncode == 0, history.stderr
+    lines = history.stdout.splitlines()
+    assert lines[0].split() == ["NODE", "INSTANCE", "INCIDENTS", "LAST-INCIDENT"]
+    assert any(line.split()[:2] == [nodes[1], ids[1]] for line in lines[1:]), history.stdout
+    got = world.kubectl("get", "nodereplacements")
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.split("\n")[0].split() == ["NAME", "NODE", "INSTANCE", "PHASE", "HEALTH-CHECK", "DECISION", "AGE"]
+    assert any(line.split()[:6] == [nodes[1], nodes[1], ids[1], "Replaced", "Passed", "Approved"]
+               for line in got.stdout.splitlines()[1:]), got.stdout
+    got = world.kubectl("get", "sdcincidents", "-n", ns)
+    assert got.returncode == 0, got.stderr
+    header, *rows = got.stdout.splitlines()
+    assert header.split() == ["NAME", "JOB", "CHECK", "STEP", "SUSPECTS", "WINDOW", "RESUME-FROM", "AT-RISK",
+                              "PHASE", "AGE"]
+    [row] = [row.split() for row in rows if row.startswith("llm-replay-40 ")]
+    assert row[:4] == ["llm-replay-40", "llm", "replay", "40"]
+    assert row[5:9] == ["31-40", "checkpoint-19.pt", "21", "Resolved"]
+    wide = world.kubectl("get", "sdcincidents", "-n", ns, "-o", "wide")
+    assert wide.returncode == 0, wide.stderr
+    assert wide.stdout.splitlines()[0].split()[7:10] == ["RESUME-STEP", "RESUME-SHA256", "AT-RISK"]

@@ -3,7 +3,7 @@ signed by the real sidecar process with the key the operator made, verified by t
 key rotation, and ``SDCGUARD_REQUIRE_SIGNED_ALARMS=false``.
 
 (The three rejections — no signature, wrong key, tampered text — touching nothing are
-``test_operator.py::test_rejected_alarms_touch_nothing``.)
+``test_intake.py::test_rejected_alarms_touch_nothing``.)
 """
 from __future__ import annotations
 

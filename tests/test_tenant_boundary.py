@@ -3,7 +3,8 @@
 One world (emulators + the real operator, admission on) serves the module; each test has its own
 namespaces, jobs and nodes. Every test is an attack from the issue: its docstring says what the
 attack did before, the test shows it refused and nothing touched. The legitimate flow through the
-same checks is tests/test_operator.py (happy path and the rest), which must stay green.
+same checks is tests/test_intake.py, test_incident.py (the happy path) and the rest, which
+must stay green.
 """
 from __future__ import annotations
 

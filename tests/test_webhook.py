@@ -418,3 +418,25 @@ def test_with_job_controllers_set_only_their_pods_get_the_sidecar() -> None:
     assert out is not None and warnings == []
     forged, warnings = pod_mutation.mutated(pod, {"sdcguard.dev/enabled": "true"}, settings, uid, "mallory")
     assert forged is None and "not by the job controller" in warnings[0]
+
+
+def test_injected_pods_get_a_grace_period_the_sidecar_knows_and_never_a_shorter_one() -> None:
+    def injected(grace: int | None, settings: pod_mutation.SidecarSettings) -> dict:
+        pod = {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "train", "image": "t"}]}}
+        if grace is not None:
+            pod["spec"]["terminationGracePeriodSeconds"] = grace
+        how, _ = pod_mutation.plan("llm", {"sdcguard.dev/enabled": "true"})
+        pod_mutation.inject(pod, how=how, sidecar=settings)
+        return pod
+
+    default = pod_mutation.SidecarSettings()
+    pod = injected(None, default)
+    [sidecar] = [c for c in pod["spec"]["initContainers"] if c["name"] == "sdcguard-sidecar"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 90
+    assert sidecar["args"][sidecar["args"].index("--grace-period") + 1] == "90"
+    longer = injected(600, default)
+    assert longer["spec"]["terminationGracePeriodSeconds"] == 600
+    [sidecar] = [c for c in longer["spec"]["initContainers"] if c["name"] == "sdcguard-sidecar"]
+    assert sidecar["args"][sidecar["args"].index("--grace-period") + 1] == "600"
+    env = pod_mutation.SidecarSettings.from_env({"SDCGUARD_SIDECAR_GRACE_SECONDS": "120"})
+    assert injected(30, env)["spec"]["terminationGracePeriodSeconds"] == 120
