@@ -38,10 +38,13 @@ def main(argv: list[str] | None = None) -> int:
         "drill", help="run a fault-injection drill (multi-process DDP)", description=drill.DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter))
     verify = sub.add_parser("verify-checkpoint", help="check a checkpoint against its manifest (exit 0 good, 1 mismatch, 2 bad input)",
-                            description="Check a checkpoint file against its manifest (PATH.sdcguard.json): its bytes, "
-                                        "its weights and, with --step / --sha256, that it is the checkpoint an alarm "
-                                        "named (last_good_checkpoint_step / last_good_checkpoint_sha256).")
-    verify.add_argument("path", type=Path, help="the checkpoint file (its manifest is PATH.sdcguard.json)")
+                            description="Check a checkpoint file against its manifest (PATH.sdcguard.json), or a "
+                                        "sharded model's DCP directory against the manifest inside it: its bytes, "
+                                        "its weights (each shard's fingerprint) and, with --step / --sha256, that it "
+                                        "is the checkpoint an alarm named (last_good_checkpoint_step / "
+                                        "last_good_checkpoint_sha256).")
+    verify.add_argument("path", type=Path, help="the checkpoint file (its manifest is PATH.sdcguard.json), or the "
+                                                "directory of a sharded checkpoint")
     verify.add_argument("--step", type=int, help="the step the alarm named: refuse a file that holds another")
     verify.add_argument("--sha256", help="the SHA-256 the alarm named: refuse a file with other bytes")
     for name, (_, _, help_text) in DELEGATED.items():
@@ -54,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _verify_checkpoint(path: Path, step: int | None, sha256: str | None) -> int:
     """For the person deciding where to resume: no process group, no model needed."""
+    if path.is_dir():
+        return _verify_sharded_checkpoint(path, step, sha256)
     if not path.is_file():
         print(f"sdcguard verify-checkpoint: error: {path} is not a file", file=sys.stderr)
         return 2
@@ -70,6 +75,26 @@ def _verify_checkpoint(path: Path, step: int | None, sha256: str | None) -> int:
                f"covered by the audit at step {found.audited_step}" if found.audited_step is not None else "not covered by any audit")
     print(f"OK {found.path}: step {found.step}, {found.parameters} parameters, weight digest {found.weight_digest}, "
           f"sha256 {found.sha256}, {audited}")
+    return 0
+
+
+def _verify_sharded_checkpoint(path: Path, step: int | None, sha256: str | None) -> int:
+    from .checkpoint import CheckpointError
+    from .sharding.dcp_manifest import MANIFEST_NAME, is_sharded_checkpoint, verify_directory
+    if not is_sharded_checkpoint(path):
+        print(f"sdcguard verify-checkpoint: error: {path} is a directory without a manifest {MANIFEST_NAME}",
+              file=sys.stderr)
+        return 2
+    try:
+        found = verify_directory(path, expect_step=step, expect_sha256=sha256)
+    except CheckpointError as exc:
+        print(f"MISMATCH {exc}")
+        return 1
+    checked = (f"weights cross-checked across {found.replicas} replicas" if found.weights_verified else
+               "weights not cross-checked (one replica: no alarm names it)")
+    audited = f"covered by the audit at step {found.audited_step}" if found.audited_step is not None else "not covered by any audit"
+    print(f"OK {found.path}: step {found.step}, sharded (DCP) on {found.replicas} x {found.shards} ranks, "
+          f"{found.files} files and every shard's fingerprint as written, sha256 {found.sha256}, {checked}, {audited}")
     return 0
 
 

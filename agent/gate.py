@@ -6,7 +6,8 @@ counts which step's update the weights include: what a checkpoint written now re
 """
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
@@ -44,6 +45,16 @@ class UpdateGate:
         if done and self.step is not None:
             self.updates_through = self.step
         self.step, self.allowed = None, False
+
+    @contextmanager
+    def zero_update(self) -> Iterator[None]:
+        """Let through the one ``optimizer.step()`` that DCP's ``get_state_dict`` runs to create an
+        empty optimizer's state (learning rate 0, zero gradients: the weights do not change)."""
+        allowed, self.allowed = self.allowed, True
+        try:
+            yield
+        finally:
+            self.allowed = allowed
 
     def resumed_at(self, step: int) -> None:
         """The weights were loaded from the state after ``step``'s update."""

@@ -267,9 +267,14 @@ class Guard:
         value; any other is refused. When ``path`` already holds a checkpoint that a later alarm
         may still name (one file written over and over), that file is kept beside it as
         ``<stem>.sdcguard-step<N><suffix>`` until a newer verified checkpoint covers every window
-        (``Config.keep_resume_points``). Returns the path, or None when rank 0 said not to save."""
+        (``Config.keep_resume_points``). Returns the path, or None when rank 0 said not to save.
+
+        A sharded (FSDP2) model is saved as a DCP directory at ``path`` (``sdcguard.sharding.dcp``):
+        every rank writes its shards of the model and optimizer; ``state`` then holds only your
+        extra entries (e.g. ``{"scheduler": scheduler}``), loaded back by ``load_checkpoint(...,
+        state=)``. With one replica (pure FSDP) check 3 has nothing to compare: the checkpoint is
+        written, its manifest says its weights were not cross-checked, and no alarm names it."""
         from . import checkpoint
-        self._refuse_sharded_checkpoint(path)
         if not checkpoint.rank0_says(bool(when), self.device, self.group, self.solo):
             return None
         if self.alarms_raised:
@@ -278,6 +283,11 @@ class Guard:
                 "is suspect; resume from the last good checkpoint instead")
         step = checkpoint.manifest_step(self.updates_through, step, path)
         self.check_weights(step)  # raises SDCDetected on every rank when a replica differs
+        if self.sharded:
+            from .sharding import dcp
+            self.history = dcp.save(path, **self._sharded_parts(state, model_key), facts=self._sharded_facts(step),
+                                    keep=self.config.keep_resume_points)
+            return str(path)
         if state is None:
             state = {"step": step, model_key: self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                      "scaler": self.scaler.state_dict() if self.scaler is not None else None}
@@ -290,15 +300,32 @@ class Guard:
         return str(path)
 
     def load_checkpoint(self, path: str | os.PathLike[str], *, model_key: str = "model",
-                        expect_step: int | None = None, expect_sha256: str | None = None) -> int:
+                        expect_step: int | None = None, expect_sha256: str | None = None,
+                        state: dict[str, Any] | None = None) -> int:
         """Resume from a verified checkpoint (every rank calls); return the step it was taken at.
 
         The model, optimizer and scaler are loaded only after the file and the loaded weights
         match the manifest — and, with ``expect_step`` / ``expect_sha256`` (the alarm's
         ``last_good_checkpoint_step`` / ``_sha256``), only if it is the checkpoint the alarm
-        named; the checkpoint then counts as this run's starting point."""
+        named; the checkpoint then counts as this run's starting point.
+
+        For a sharded model ``path`` is the DCP directory: every file's SHA-256 is checked before
+        DCP reads any, and each rank's loaded shards against the fingerprint its manifest records;
+        ``state`` holds the extra entries you saved, loaded in place (``Stateful`` values through
+        their ``load_state_dict``)."""
         from . import checkpoint
-        self._refuse_sharded_checkpoint(path)
+        if self.sharded:
+            from .sharding import dcp
+            manifest, digest = dcp.load(path, **self._sharded_parts(state, model_key), layout=self.verifier.layout,
+                                        expect_step=expect_step, expect_sha256=expect_sha256)
+            step = int(manifest["step"])
+            self.history = dcp.resumed_history(path, manifest)
+            self.verifier.last_weights_digest = digest if manifest.get("weights_verified") else None
+            self.gate.resumed_at(step)
+            return step
+        if state is not None:
+            raise TypeError("load_checkpoint(state=) is for sharded models; with DDP, sdcguard.load_checkpoint(path, "
+                            "module, optimizer) returns the dict you saved")
         manifest = checkpoint.read_manifest(path, expect_step=expect_step, expect_sha256=expect_sha256)
         checkpoint.load_checkpoint(path, self.module, self.optimizer, self.scaler,
                                    map_location=_param_device(self.module), model_key=model_key,
@@ -370,12 +397,21 @@ class Guard:
         if len(s.buffers) == len(s.batches):
             s.buffers.append(snapshot_buffers(module))
 
-    def _refuse_sharded_checkpoint(self, path: Any) -> None:
-        if self.sharded:
-            from .checkpoint import CheckpointError
-            raise CheckpointError(f"refusing {path}: checkpoints of a sharded (FSDP2) model need DCP sharded state "
-                                  "dicts, which sdcguard does not verify yet; save with torch.distributed.checkpoint "
-                                  "after guard.check_weights(step) passed")
+    # -- sharded checkpoints (sharding/dcp.py): what the Guard hands them ---------------------
+
+    def _sharded_parts(self, state: dict[str, Any] | None, model_key: str) -> dict[str, Any]:
+        """What a sharded checkpoint saves or loads besides the step: the model, the optimizer, the
+        scaler, and your extra entries (``state``, loaded back into that same dict)."""
+        return {"model": self.module, "optimizer": self.optimizer, "scaler": self.scaler, "model_key": model_key,
+                "named_parameters": self.named_parameters, "extra": state if state is not None else {},
+                "device": self.device, "zero_step": self.gate.zero_update}
+
+    def _sharded_facts(self, step: int) -> Any:
+        from .sharding import dcp
+        layout = self.verifier.layout
+        return dcp.Facts(step=step, history=self.history, layout=layout, weights_verified=layout.hsdp,
+                         weight_digest=self.last_weights_digest if layout.hsdp else None,
+                         parameters=[n for n, _ in self.named_parameters], run_id=self.topology.run_id)
 
     def _log_configuration(self) -> None:
         if self.topology.rank != 0:

@@ -48,6 +48,10 @@ class Checkpoint:
     """The file's SHA-256 as its manifest records it."""
     kept_from: str | None = None
     """When sdcguard kept this file because a save overwrote the path it was written to: that path."""
+    cross_checked: bool = True
+    """Whether check 3 compared these weights with another replica's before the save. False for a
+    model with one replica per shard (pure FSDP, docs/design.md §3 Sharded models): nothing shows
+    its weights were right, so an alarm never names it, and no save keeps it for one."""
 
 
 @dataclass(slots=True)
@@ -85,8 +89,9 @@ def suspect_window(check: str, step: int, history: History) -> dict[str, int]:
 
 
 def last_good_checkpoint(window: dict[str, int], history: History) -> Checkpoint | None:
-    """The newest checkpoint taken before the window, never one inside it."""
-    older = [c for c in history.checkpoints if c.step < window["first_step"]]
+    """The newest checkpoint taken before the window, never one inside it (nor one whose weights
+    were never compared with another replica's)."""
+    older = [c for c in history.checkpoints if c.step < window["first_step"] and c.cross_checked]
     return max(older, key=lambda c: c.step) if older else None
 
 
@@ -102,7 +107,7 @@ def resume_floor(history: History) -> int | None:
                     history.last_reduction_verified_step):
         if cleared is None:
             continue
-        older = [c.step for c in history.checkpoints if c.step <= cleared]
+        older = [c.step for c in history.checkpoints if c.step <= cleared and c.cross_checked]
         if not older:
             return None
         anchors.append(max(older))
@@ -138,7 +143,7 @@ def plan_save(history: History, path: str, step: int, *, keep: bool) -> SavePlan
     candidate = History(history.last_audited_step, max(step, history.last_weights_verified_step or step),
                         history.last_reduction_verified_step, [*history.checkpoints, Checkpoint(step, path, None)])
     floor = resume_floor(candidate)
-    needed = [c for c in same_path if keep and c.step != step and (floor is None or c.step >= floor)
+    needed = [c for c in same_path if keep and c.cross_checked and c.step != step and (floor is None or c.step >= floor)
               and not any(o.step == c.step for o in others)]  # a copy of that step exists already
     kept = max(needed, key=lambda c: c.step) if needed else None
     stale = tuple(c for c in others if c.kept_from is not None and floor is not None and c.step < floor)

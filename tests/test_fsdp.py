@@ -262,12 +262,6 @@ def test_a_corrupted_update_of_one_ranks_shard_is_named_by_check3(runs):
 
 
 @pytest.mark.multiprocess
-def test_sharded_checkpoints_are_refused_until_dcp_is_verified(runs):
-    for mesh in MESHES:
-        assert "DCP" in runs(mesh, "faults")[0]["refused"]
-
-
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("mesh", MESHES)
 def test_a_deferred_reduction_is_bitwise_plain_fsdp2_without_false_alarms(runs, mesh):
     # HSDP: set_requires_all_reduce(False) on the first micro-batch: its reduce-scatter output is kept
