@@ -30,6 +30,7 @@ from ..checks.verdict import Verdict
 from ..contract.stats import CheckStats
 from ..errors import ReplayError
 from ..verification import PASSED, Outcome, Scale, StepRecord
+from .fsdp_internals import require_supported
 from .layout import ShardLayout, plan_checks, read_layout
 from .reduce_record import ShardedRecorder
 from .reduction_check import VoteCoefficients, localize_checksum, nonfinite_micro, step_vote
@@ -45,6 +46,7 @@ class ShardedVerifier:
     def __init__(self, *, model: torch.nn.Module, named_parameters: list[tuple[str, torch.nn.Parameter]],
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], topology: Topology,
                  device: torch.device, stats: CheckStats, seed: int) -> None:
+        require_supported(model)
         self.layout: ShardLayout = read_layout(model)
         self.recorder = ShardedRecorder(self.layout, seed)
         self.recorder.install(model)

@@ -1,0 +1,33 @@
+"""The FSDP2 internals the sharded checks rely on (sdcguard.sharding.fsdp_internals): present in
+the torch the tests run, and a model whose FSDP2 lacks one is refused with one line naming it."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from sdcguard.sharding.fsdp_internals import missing, require_supported
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    yield model
+    dist.destroy_process_group()
+
+
+def test_this_torch_has_every_internal_the_sharded_checks_use(sharded):
+    assert missing(sharded) == []
+    require_supported(sharded)
+
+
+def test_a_missing_internal_is_named_before_any_step(sharded):
+    group = sharded[0]._get_fsdp_state()._fsdp_param_groups[0]
+    del group._partial_reduce_output  # as a torch release that renamed it would look
+    with pytest.raises(TypeError, match=r"FSDPParamGroup\._partial_reduce_output.*torch 2\.13"):
+        require_supported(sharded)
