@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sdcguard", description="silent-data-corruption detection for PyTorch training")
     sub = parser.add_subparsers(dest="command", required=True)
     drill.add_arguments(sub.add_parser(
-        "drill", help="run a fault-injection drill (multi-process DDP)", description=drill.DESCRIPTION,
+        "drill", help="run a fault-injection drill (multi-process DDP, or FSDP2 with --shard)", description=drill.DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter))
     verify = sub.add_parser("verify-checkpoint", help="check a checkpoint against its manifest (exit 0 good, 1 mismatch, 2 bad input)",
                             description="Check a checkpoint file against its manifest (PATH.sdcguard.json), or a "

@@ -1,4 +1,5 @@
-"""``sdcguard drill``: a real multi-process DDP run with injected faults, judged and reported.
+"""``sdcguard drill``: a real multi-process DDP run (FSDP2 with ``--shard``) with injected faults,
+judged and reported.
 
 It is the first-run demo and the user's fault-injection release test. The parent process checks
 every argument before any process starts, launches one worker per rank (simulated node ``k`` is
@@ -23,18 +24,26 @@ from ..contract import alarm as _alarm
 from ..child_process import die_with_parent
 from ..contract import names, spool
 from .report import build_report, print_summary
-from ..faults.spec import FaultSpec, FaultSpecError, parse_fault
+from ..faults.spec import SHARD_SIDE, FaultSpec, FaultSpecError, parse_fault
 
 
 DESCRIPTION = """\
-A real multi-process DDP training of a small model with the faults you inject, judged and reported:
-the first-run demo and the fault-injection release test.
+A real multi-process DDP (with --shard, FSDP2) training of a small model with the faults you
+inject, judged and reported: the first-run demo and the fault-injection release test.
 
 Safe inside an enabled pod: the drill takes no setting from the environment. Its checks run on its
 flags and defaults only (SDCGUARD_AUDIT_EVERY, SDCGUARD_WEIGHT_CHECK_EVERY, ... are ignored), each
 simulated node k is drill-node-k (POD_NAME and NODE_NAME are ignored; --placement names real pods
 and nodes), and its alarms go to its own temporary spool (SDCGUARD_SPOOL is ignored; --spool DIR
 sends them to DIR, e.g. a sidecar's). Every record it writes carries "drill": true.
+
+Sharded (--shard S [--replicate R]): the same drill with the model sharded by FSDP2's fully_shard
+(one unit per layer, then the root) over a (replicate, shard) mesh of consecutive ranks, as torchtitan
+builds it: rank r holds shard r % S of replica r // S. R = 1 is pure FSDP over S ranks; R > 1 is
+HSDP. Shard groups must lie within a node (S divides --ranks-per-node; HSDP's usual layout: the
+reduce-scatter inside a node, the all-reduce across nodes) or span whole nodes (--ranks-per-node
+divides S). Without --nodes / --world-size the job has R x S ranks. With one replica check 3 has
+nothing to compare: a weight or optimizer fault then escapes (the report says why).
 
 Exit status: 0 passed, 1 a fault missed or misattributed / an unsafe resume / an unexplained
 alarm, 2 bad input, 3 the run itself failed."""
@@ -48,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, help="simulated nodes N (default 3, or W / R)")
     parser.add_argument("--world-size", type=int, help="ranks W in all (default N x R)")
     parser.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node R (default 2)")
+    parser.add_argument("--shard", type=int, metavar="S",
+                        help="shard the model with FSDP2 over S consecutive ranks (a shard group: within a node, "
+                             "or whole nodes); default: DDP")
+    parser.add_argument("--replicate", type=int, metavar="R",
+                        help="with --shard: R replicas of each shard (HSDP over (R, S); 1 = pure FSDP); default: the "
+                             "job's ranks / S; without --nodes / --world-size the job has R x S ranks")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     parser.add_argument("--audit-every", type=int, default=5, help="check 2 interval, 0 = off (default 5)")
     parser.add_argument("--weight-check-every", type=int, default=2, help="check 3 interval, 0 = audit steps only (default 2)")
@@ -86,13 +101,20 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         raise DrillInputError("--checkpoint-dir needs --checkpoint-every")
     if args.checkpoint_dir is not None and args.checkpoint_dir.exists() and not args.checkpoint_dir.is_dir():
         raise DrillInputError(f"--checkpoint-dir {args.checkpoint_dir} is not a directory")
-    nodes, world = _layout(args.nodes, args.world_size, args.ranks_per_node)
+    mesh = _mesh(args)
+    if mesh is not None and args.world_size is None and args.nodes is None and args.replicate is not None:
+        nodes, world = _layout(None, mesh[0] * mesh[1], args.ranks_per_node)
+    else:
+        nodes, world = _layout(args.nodes, args.world_size, args.ranks_per_node)
+    if mesh is not None:
+        mesh = _check_mesh(mesh, world, args.ranks_per_node)
     try:
         faults = [parse_fault(text, world) for text in args.inject]
-        _check_targets(faults)
+        _check_targets(faults, mesh)
     except FaultSpecError as exc:
         raise DrillInputError(str(exc)) from None
-    return {
+    sharded = {} if mesh is None else {"replicate": mesh[0], "shard": mesh[1]}
+    return {**sharded,
         "nodes": nodes, "ranks_per_node": args.ranks_per_node, "world_size": world,
         "steps": args.steps, "audit_every": args.audit_every,
         "weight_check_every": args.weight_check_every, "micro_batches": args.micro_batches,
@@ -126,9 +148,11 @@ def _placement(path: Path, nodes: int) -> dict[str, Any]:
             "nodes": [{"pod": e["pod"], "node": e["node"], "pod_uid": e.get("pod_uid")} for e in entries]}
 
 
-def _check_targets(faults: list[FaultSpec]) -> None:
-    """Faults that name their own target are checked against the drill model (needs torch)."""
-    if any(f.site is not None or f.param is not None or f.element is not None for f in faults):
+def _check_targets(faults: list[FaultSpec], mesh: tuple[int, int] | None = None) -> None:
+    """Faults that name their own target are checked against the drill model (needs torch); on a
+    sharded drill every fault that strikes a shard is, against the shards of the ranks it strikes."""
+    shard_side = mesh is not None and any(f.info.corrupts in SHARD_SIDE for f in faults)
+    if shard_side or any(f.site is not None or f.param is not None or f.element is not None for f in faults):
         import torch
         from ..faults.injector import FaultInjector
         from .model import PARAM, SITE, DrillModel
@@ -136,6 +160,42 @@ def _check_targets(faults: list[FaultSpec]) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         for fault in faults:
             FaultInjector([fault], fault.rank or 0).install(model, optimizer, site=SITE, param=PARAM)
+            if mesh is not None and fault.info.corrupts != "forward":
+                from ..faults.sharded import check_sharded_fault
+                from ..faults.targets import resolve_parameter
+                name, parameter = resolve_parameter(model, fault.param if fault.param is not None else PARAM)
+                shards = mesh[1]
+                check_sharded_fault(fault, name, tuple(parameter.shape), shards, lambda rank: rank % shards,
+                                    fault.element if fault.element is not None else 0)
+
+
+def _mesh(args: argparse.Namespace) -> tuple[int, int | None] | None:
+    """(R or None, S) from --replicate / --shard, or None for DDP."""
+    if args.shard is None:
+        if args.replicate is not None:
+            raise DrillInputError("--replicate needs --shard S (HSDP is R replicas of S shards)")
+        return None
+    if args.shard < 2:
+        raise DrillInputError("--shard must be >= 2: one shard has no reduce-scatter to check (that is DDP: leave --shard out)")
+    if args.replicate is not None and args.replicate < 1:
+        raise DrillInputError("--replicate must be >= 1")
+    return args.replicate if args.replicate is not None else None, args.shard  # type: ignore[return-value]
+
+
+def _check_mesh(mesh: tuple[int | None, int], world: int, per_node: int) -> tuple[int, int]:
+    """(R, S) checked against the job: R x S ranks, shard groups within a node or whole nodes."""
+    replicate, shard = mesh
+    if replicate is None:
+        if world % shard:
+            raise DrillInputError(f"--shard {shard} does not divide the job's {world} ranks")
+        replicate = world // shard
+    if replicate * shard != world:
+        raise DrillInputError(f"--replicate {replicate} x --shard {shard} = {replicate * shard} ranks, "
+                              f"but the job has {world}")
+    if per_node % shard and shard % per_node:
+        raise DrillInputError(f"a shard group of {shard} consecutive ranks would straddle nodes of {per_node} "
+                              f"ranks: --shard must divide --ranks-per-node or be a multiple of it")
+    return replicate, shard
 
 
 def _layout(nodes: int | None, world: int | None, per_node: int) -> tuple[int, int]:
@@ -237,6 +297,11 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 def _print_header(cfg: dict[str, Any]) -> None:
     faults = ", ".join(str(FaultSpec(**f)) for f in cfg["faults"]) or "none"
+    if cfg.get("shard"):
+        mesh = (f"HSDP {cfg['replicate']} replicas x {cfg['shard']} shards" if cfg["replicate"] > 1
+                else f"FSDP over {cfg['shard']} ranks (one replica)")
+        print(f"[drill] sharded: {mesh}; rank r holds shard r % {cfg['shard']} of replica r // {cfg['shard']}",
+              flush=True)
     print(f"[drill] {cfg['nodes']} nodes x {cfg['ranks_per_node']} ranks ({cfg['backend']}), "
           f"{cfg['steps']} steps, audit every {cfg['audit_every'] or 'never'}, "
           f"weight check every {cfg['weight_check_every'] or 'audit step'}", flush=True)

@@ -21,7 +21,8 @@ def build_report(cfg: dict[str, Any], results: list[dict[str, Any]], alarms: lis
     """The JSON report from the drill's config, each rank's result and the spooled alarms."""
     faults = [FaultSpec(**f) for f in cfg["faults"]]
     stopped_at = results[0]["stopped_at_step"]
-    plan = Schedule(cfg["steps"], cfg["audit_every"], cfg["weight_check_every"], cfg["nodes"], cfg["checkpoint_every"])
+    plan = Schedule(cfg["steps"], cfg["audit_every"], cfg["weight_check_every"], cfg["nodes"], cfg["checkpoint_every"],
+                    checks_weights=not cfg.get("shard") or cfg["replicate"] > 1)  # pure FSDP: no check 3
     recoveries = _recoveries(results[0]["recoveries"], alarms)
     verdict: Judgement = judge_faults(faults, alarms, plan, stopped_at=stopped_at,
                                       resumed_at={r["alarm"]: r["resume_step"] for r in recoveries})

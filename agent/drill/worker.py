@@ -1,4 +1,6 @@
-"""One rank of a drill: real DDP training of the drill model, with faults injected.
+"""One rank of a drill: real DDP training of the drill model, with faults injected; with ``shard``
+in the config, the model sharded by FSDP2 instead (``fully_shard`` per layer, then the root) over
+the ``(replicate, shard)`` mesh of consecutive ranks the drill's parent checked.
 
 Started by ``sdcguard drill`` as ``python -m sdcguard.drill.worker CONFIG.json`` with ``RANK`` and
 ``WORLD_SIZE`` set; everything else (the checks' settings, the spool, each rank's pod and node)
@@ -31,6 +33,7 @@ from ..buckets import settle_buckets
 from ..guard import Guard
 from ..recovery import History
 from ..faults.injector import FaultInjector
+from ..faults.sharded import ShardedFaultInjector
 
 
 def main(config_path: str) -> int:
@@ -44,11 +47,24 @@ def main(config_path: str) -> int:
         timeout=datetime.timedelta(seconds=cfg["timeout_s"]),
     )
     try:
-        result = train(cfg, rank)
+        result = train(cfg, rank, _device_mesh(cfg))
     finally:
         dist.destroy_process_group()
     Path(cfg["workdir"], f"rank-{rank}.json").write_text(json.dumps(result))
     return 0
+
+
+def _device_mesh(cfg: dict[str, Any]) -> Any:
+    """The sharded drill's mesh (made once: every rebuilt job reuses it), or None for DDP. Rank r
+    is shard r % S of replica r // S: a shard group is S consecutive ranks, as torchtitan lays
+    ``(dp_replicate, dp_shard)`` out."""
+    if not cfg.get("shard"):
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+    kind = "cuda" if cfg["backend"] == "nccl" else "cpu"
+    if cfg["replicate"] > 1:
+        return init_device_mesh(kind, (cfg["replicate"], cfg["shard"]), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(kind, (cfg["shard"],), mesh_dim_names=("shard",))
 
 
 @dataclass(slots=True)
@@ -73,7 +89,9 @@ class Snapshot:
     optimizer: dict[str, Any]
 
 
-def build(cfg: dict[str, Any], rank: int, device: torch.device, injector: FaultInjector) -> Trainer:
+def build(cfg: dict[str, Any], rank: int, device: torch.device, injector: Any, mesh: Any = None) -> Trainer:
+    if mesh is not None:
+        return build_sharded(cfg, rank, device, injector, mesh)
     torch.manual_seed(cfg["seed"])
     model = DrillModel().to(device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -85,6 +103,22 @@ def build(cfg: dict[str, Any], rank: int, device: torch.device, injector: FaultI
     reduce_hook, reduce_state = injector.reduce_hook_around(inner_state=ddp.process_group)
     guard = Guard(ddp, optimizer, _on_device(loss_fn, device), config=drill_config(cfg, rank),
                   reduce_hook=reduce_hook, reduce_state=reduce_state)
+    return Trainer(model, optimizer, guard)
+
+
+def build_sharded(cfg: dict[str, Any], rank: int, device: torch.device, injector: ShardedFaultInjector,
+                  mesh: Any) -> Trainer:
+    """The drill model sharded by FSDP2: one unit per layer, then the root (the LayerNorm's
+    parameters); every rank starts from the same seeded weights and keeps its shard of them."""
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(cfg["seed"])
+    model = DrillModel().to(device)
+    for layer in (model.embed, model.hidden, model.head):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = Guard(model, optimizer, _on_device(loss_fn, device), config=drill_config(cfg, rank))
+    injector.install(guard, site=SITE, param=PARAM)
     return Trainer(model, optimizer, guard)
 
 
@@ -104,7 +138,7 @@ def drill_config(cfg: dict[str, Any], rank: int) -> Config:
                   pod=pod, node=node_name or f"drill-node-{node}", pod_uid=pod_uid, job=job, drill=True)
 
 
-def train(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
+def train(cfg: dict[str, Any], rank: int, mesh: Any = None) -> dict[str, Any]:
     """The drill's training loop; returns what this rank saw.
 
     An alarm raised anywhere in a step — a check inside ``train_step`` or check 3 inside
@@ -116,9 +150,10 @@ def train(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cfg["backend"] == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    injector = FaultInjector([FaultSpec(**f) for f in cfg["faults"]], rank)
-    job = build(cfg, rank, device, injector)
-    snapshots: list[Snapshot] = [_snapshot(-1, job)]  # DDP broadcast rank 0's weights: replicas start equal
+    specs = [FaultSpec(**f) for f in cfg["faults"]]
+    injector = ShardedFaultInjector(specs, rank) if mesh is not None else FaultInjector(specs, rank)
+    job = build(cfg, rank, device, injector, mesh)
+    snapshots: list[Snapshot] = [_snapshot(-1, job)]  # DDP broadcast rank 0's weights (FSDP2: same seed): replicas start equal
     alarms: list[str] = []
     recoveries: list[dict[str, Any]] = []
     stopped_at = None
@@ -135,7 +170,7 @@ def train(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
                 stopped_at = step
                 break
             injector.disarm(exc.suspect_ranks)
-            job = build(cfg, rank, device, injector)
+            job = build(cfg, rank, device, injector, mesh)
             resumed, checkpoint = _resume(cfg, job, exc.alarm, snapshots)
             snapshots = [s for s in snapshots if s.step <= resumed]  # later ones belong to the abandoned run
             recoveries.append({"alarm": exc.alarm["id"], "step": exc.step, "resume_step": resumed,
@@ -158,8 +193,16 @@ def train(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
         "recoveries": recoveries,
         "steps_completed": stopped_at if stopped_at is not None else cfg["steps"],
         "stopped_at_step": stopped_at,
-        "final_weights": digest(fingerprint(p) for p in job.model.parameters()).hex(),
+        "final_weights": _weights_digest(job.model),
     }
+
+
+def _weights_digest(model: torch.nn.Module) -> str:
+    """The digest of this rank's copy of the whole model; a sharded model's parameters are first
+    gathered from its shard group (a collective: every rank calls it), so replicas that agree give
+    one digest on every rank."""
+    full = (p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters())
+    return digest(fingerprint(p.detach()) for p in full).hex()
 
 
 def _step(cfg: dict[str, Any], job: Trainer, injector: FaultInjector, rank: int, step: int) -> torch.Tensor:
@@ -168,8 +211,9 @@ def _step(cfg: dict[str, Any], job: Trainer, injector: FaultInjector, rank: int,
     batches = [make_batch(cfg["seed"], step, rank, m) for m in range(cfg["micro_batches"])]
     loss = job.guard.train_step(step, micro_batches=batches)
     if cfg["checkpoint_every"] and step % cfg["checkpoint_every"] == 0:
-        job.guard.save_checkpoint(str(Path(cfg.get("checkpoint_dir") or Path(cfg["workdir"], "checkpoints"),
-                                           f"step-{step}.pt")), step)
+        name = f"step-{step}" if cfg.get("shard") else f"step-{step}.pt"  # sharded: a DCP directory
+        job.guard.save_checkpoint(str(Path(cfg.get("checkpoint_dir") or Path(cfg["workdir"], "checkpoints"), name)),
+                                  step)
     return loss
 
 

@@ -48,6 +48,8 @@ class Schedule:
     """Checkpoint steps are audit steps too (``Config(checkpoint_every=K)``, the default there)."""
     checks_reduction: bool = True
     """Check 4 runs on every step (the reduce hook averages like DDP; not with a compression hook)."""
+    checks_weights: bool = True
+    """Check 3 has replicas to compare (not with one replica: a model sharded with pure FSDP)."""
 
     @classmethod
     def of(cls, guard: Any, steps: int, checkpoint_every: int | None = None) -> Schedule:
@@ -56,10 +58,13 @@ class Schedule:
         cfg, topology = guard.config, guard.topology
         replicas = topology.world_size > 1  # one replica: nobody to replay its batch, no audits
         configured = getattr(cfg, "checkpoint_every", 0)
+        layout = getattr(guard.verifier, "layout", None) if getattr(guard, "sharded", False) else None
+        reduction = guard.verifier if layout is not None else getattr(guard, "recorder", None)
         return cls(steps, cfg.audit_every if replicas else 0, cfg.weight_check_every, topology.nodes,
                    configured if checkpoint_every is None else checkpoint_every,
                    replicas and bool(configured) and getattr(cfg, "audit_checkpoints", False),
-                   replicas and getattr(getattr(guard, "recorder", None), "checks_reduction", False))
+                   replicas and getattr(reduction, "checks_reduction", False),
+                   layout is None or layout.hsdp)  # sharded: check 3 needs a second replica of each shard
 
     def audits(self, step: int) -> bool:
         if self.audit_checkpoints and self.checkpoints(step):
@@ -125,6 +130,9 @@ def expectation(fault: FaultSpec, plan: Schedule) -> tuple[str | None, int | Non
             return None, None, "no audit step among the fault's steps: check 2 does not run there"
         return check, audited[0], "ring replay on an audit step"
     if check == CHECK_WEIGHTS:
+        if not plan.checks_weights:
+            return None, None, ("one replica (pure FSDP): no copy of the shard to compare with, and every rank "
+                                "all-gathers the same corrupted shard, so no replay differs")
         seen = _first_weight_check(fault, plan)
         if seen is None:
             return None, None, "no weight check runs between the fault and the end of the run"

@@ -23,6 +23,12 @@ rank sees it where the fault strikes:
 
 A transient compute fault (forward, grad) strikes rank R's own pass once, or with
 ``during=replay`` its replay of another rank's batch; a persistent one (``every=K``) strikes both.
+
+Every kind works on a ``Shard(0)`` parameter (what ``fully_shard`` makes); a target that is not one,
+or an element this rank's shard does not hold (an uneven shard's padding, an empty shard), is
+refused at :meth:`~ShardedFaultInjector.install` with :class:`FaultTargetError` saying why.
+:func:`shard_numel` says, without a process group, how many elements shard ``j`` holds (the drill
+checks its faults with it before anything starts).
 """
 from __future__ import annotations
 
@@ -33,13 +39,13 @@ import torch
 
 from ..checks.replay import replaying
 from .injector import _corrupt_output, _flip_bit, _mantissa_bit, _swap_partner
-from .spec import FaultSpec, FaultTargetError, parse_fault
+from .spec import SHARD_SIDE, FaultSpec, FaultTargetError, parse_fault
 from .targets import resolve_module
 
 if TYPE_CHECKING:
     from ..guard import Guard
 
-__all__ = ["ShardedFaultInjector"]
+__all__ = ["ShardedFaultInjector", "check_sharded_fault", "shard_numel"]
 
 log = logging.getLogger("sdcguard.faults")
 
@@ -74,15 +80,21 @@ class ShardedFaultInjector:
         self.fired: list[dict[str, Any]] = []
         """One ``{kind, rank, step, target}`` per fault and step it struck."""
         self._struck: set[tuple[int, int]] = set()
+        self._struck_faults: set[int] = set()
+        self._disarmed: set[int] = set()
         self._handles: list[Any] = []
         self._shards = 1
 
     def install(self, guard: Guard, *, param: str | None = None, site: str | None = None, element: int = 0) -> None:
         """Find every fault's parameter (``param=`` in the fault, else ``param``) or, for the
         forward kinds, module (``site=``, else ``site``) in the Guard's sharded model and attach
-        the hooks. Install after the Guard (it owns the reduce hooks)."""
+        the hooks. Install after the Guard (it owns the reduce hooks). Installing again (a rebuilt
+        job's Guard) moves the hooks to it; what already struck, and what was disarmed, is kept."""
+        self.remove()
+        self.targets = []
         recorder = guard.verifier.recorder
-        self._shards = recorder.layout.shards
+        layout = recorder.layout
+        self._shards = layout.shards
         where = _locate(recorder, {id(p): n for n, p in guard.named_parameters})
         for fault in self.faults:
             index = fault.element if fault.element is not None else element
@@ -99,10 +111,33 @@ class ShardedFaultInjector:
             if name is None or name not in where:
                 raise FaultTargetError(f"{fault}: no sharded parameter {name!r}; it has: {', '.join(where)}")
             unit, offset, fsdp_param = where[name]
+            if fault.info.corrupts in SHARD_SIDE:
+                shard = layout.coordinates(self.rank)["shard"]
+                held = shard_numel(tuple(fsdp_param._orig_size), layout.shards, shard)
+                _check_shard_element(fault, name, tuple(fsdp_param._orig_size), layout.shards, shard, held, index)
+            else:
+                numel = fsdp_param._orig_size.numel()
+                if not 0 <= index < numel:
+                    raise FaultTargetError(f"{fault}: element {index} is out of range for {name} (shape "
+                                           f"{tuple(fsdp_param._orig_size)}), which has {numel} elements")
             self.targets.append(_ShardTarget(name, fsdp_param, unit, offset, index))
         recorder.before_reduce_scatter.append(self._on_local_gradient)
         recorder.after_reduction.append(self._on_reduced_shard)
+        self._handles.append(_Detach(recorder.before_reduce_scatter, self._on_local_gradient))
+        self._handles.append(_Detach(recorder.after_reduction, self._on_reduced_shard))
         self._handles.append(guard.optimizer.register_step_post_hook(self._after_optimizer_step))
+
+    def remove(self) -> None:
+        """Detach every hook this injector attached."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def disarm(self, ranks: list[int]) -> None:
+        """The drill's stand-in for replacing the suspects' nodes: the faults that already struck
+        there stop (a fault scheduled later is a new one). Reduction faults belong to no node."""
+        if self.rank in ranks:
+            self._disarmed.update(i for i in self._struck_faults if self.faults[i].info.corrupts != "reduce")
 
     def begin_step(self, step: int) -> None:
         """Call at the top of each step: the weight faults due now strike the stored shard."""
@@ -156,7 +191,7 @@ class ShardedFaultInjector:
     def _due(self, corrupts: str, unit: int | None = None, kinds: set[str] | None = None) -> list[int]:
         due = []
         for i, fault in enumerate(self.faults):
-            if fault.info.corrupts != corrupts or self.step is None or not fault.fires_at(self.step):
+            if i in self._disarmed or fault.info.corrupts != corrupts or self.step is None or not fault.fires_at(self.step):
                 continue
             if (kinds is not None and fault.kind not in kinds) or (unit is not None and self.targets[i].unit != unit):
                 continue
@@ -166,11 +201,61 @@ class ShardedFaultInjector:
                     continue
                 self._struck.add((i, self.step))
             due.append(i)
+            self._struck_faults.add(i)
             event = {"kind": fault.kind, "rank": self.rank, "step": self.step, "target": str(self.targets[i])}
             if event not in self.fired:
                 self.fired.append(event)
                 log.info("injected %s on rank %d at step %d into %s", fault.kind, self.rank, self.step, self.targets[i])
         return due
+
+
+class _Detach:
+    """A handle that takes one hook out of one of the recorder's hook lists."""
+
+    __slots__ = ("hooks", "hook")
+
+    def __init__(self, hooks: list[Any], hook: Any) -> None:
+        self.hooks, self.hook = hooks, hook
+
+    def remove(self) -> None:
+        if self.hook in self.hooks:
+            self.hooks.remove(self.hook)
+
+
+def shard_numel(size: tuple[int, ...], shards: int, index: int) -> int:
+    """Elements of shard ``index`` of a parameter of shape ``size`` under FSDP2's ``Shard(0)``:
+    ``torch.chunk`` of dim 0 into ``shards`` pieces (the last ones may be shorter, or empty)."""
+    rows = size[0] if size else 1
+    per_row = 1
+    for d in size[1:]:
+        per_row *= d
+    chunk = -(-rows // shards)
+    return max(0, min(chunk, rows - index * chunk)) * per_row
+
+
+def _check_shard_element(fault: FaultSpec, name: str, size: tuple[int, ...], shards: int, shard: int, held: int,
+                         element: int) -> None:
+    """Refuse a shard-side fault whose element shard ``shard`` does not hold."""
+    if held == 0:
+        raise FaultTargetError(f"{fault}: shard {shard} of {name} (shape {size}, over {shards} shards) is empty: "
+                               "FSDP2 gives it no rows, so nothing there can be corrupted; pick another parameter")
+    if not 0 <= element < held:
+        raise FaultTargetError(f"{fault}: element {element} is not in shard {shard} of {name} (shape {size}, over "
+                               f"{shards} shards), which holds {held} elements: for {fault.kind} element= indexes "
+                               "the rank's local shard (elements beyond it are another rank's, or padding)")
+    if fault.kind == "weight-swap" and held < 2:
+        raise FaultTargetError(f"{fault}: weight-swap needs two elements; shard {shard} of {name} holds one")
+
+
+def check_sharded_fault(fault: FaultSpec, name: str, size: tuple[int, ...], shards: int, shard_of: Any,
+                        element: int) -> None:
+    """Without a process group: refuse a fault on parameter ``name`` (shape ``size``) that the
+    sharded injector would refuse — a shard-side element that the struck ranks' shards do not
+    hold (``shard_of(rank)``: the shard a rank holds; a fault without a rank strikes every shard).
+    The other kinds index the full parameter or the site's output, as in a DDP job."""
+    if fault.info.corrupts in SHARD_SIDE:
+        for shard in sorted({shard_of(fault.rank)} if fault.rank is not None else set(range(shards))):
+            _check_shard_element(fault, name, size, shards, shard, shard_numel(size, shards, shard), element)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,11 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
 )}
 
 
+SHARD_SIDE = ("reduce", "optimizer", "weights")
+"""On a sharded model, what the kinds striking a rank's local shard corrupt: their ``element``
+indexes that shard (``faults/sharded.py``); the ``grad-*`` kinds index the full parameter."""
+
+
 class FaultSpecError(ValueError):
     """A malformed ``--inject`` value; the message is one line meant for the user."""
 

@@ -64,10 +64,15 @@ class ShardedVerifier:
         self.last_weights_digest: str | None = None
         self._told_unchecked = False
 
+    @property
+    def checks_reduction(self) -> bool:
+        """Check 4 covers the reduce-scatters: every unit reduces with FSDP2's plain average."""
+        return all(g.gradient_divide_factor is None and not g.force_sum_reduction_for_comms
+                   for _, g in self.recorder.units)
+
     def plan_lines(self) -> list[str]:
         """Which checks run for this mesh (logged once by the Guard)."""
-        groups = [g for _, g in self.recorder.units]
-        plain = all(g.gradient_divide_factor is None and not g.force_sum_reduction_for_comms for g in groups)
+        plain = self.checks_reduction
         user_hook = bool(self.recorder.user_all_reduce_hooks)
         plan = plan_checks(self.layout, reduce_scatter_checked=plain, all_reduce_checked=plain and not user_hook)
         return [self.layout.describe()] + plan.lines()
