@@ -104,7 +104,9 @@ class Results:
     def finish(self, model: torch.nn.Module, iter_num: int, **extra: Any) -> None:
         self.data["final_step"] = iter_num
         self.data["model"] = type(model).__name__  # OptimizedModule under --compile
-        self.data["weights_digest"] = digest(fingerprint(p.detach()) for p in model.parameters()).hex()
+        # a sharded model's digest is this rank's shards' (DTensor.to_local)
+        self.data["weights_digest"] = digest(fingerprint(getattr(p, "to_local", p.detach)().detach())
+                                             for p in model.parameters()).hex()
         self.data.update(extra)
         self.write()
 
