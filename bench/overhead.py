@@ -1,6 +1,6 @@
 """Step-time overhead of sdcguard against plain DDP, and against the replay floor.
 
-    .venv/bin/python bench/overhead.py [--rounds 5] [--window 100] [--ranks 3] [--slice 10]
+    .venv/bin/python bench/overhead.py [--rounds 5] [--window 100] [--ranks 3] [--slice 10] [--sharded 2x2]
 
 Launches 3 gloo ranks (one thread each) training bench/gpt.py's TinyGPT. Six configurations,
 each on its own DDP replica: plain DDP; plain DDP plus one 16-byte all-reduce between backward and
@@ -17,6 +17,14 @@ printed beside it.
 
 The floor for audits every N is 1 + t_replay / (N * t_step): a replay is one more forward and
 backward per N steps; t_replay is measured in the same run as the bare module's forward+backward.
+
+``--sharded RxS`` measures a model sharded with FSDP2 instead (``fully_shard`` per block and on the
+root over an ``init_device_mesh("cpu", (R, S), ("replicate", "shard"))`` mesh; ``1xS``: pure FSDP
+over a 1-D mesh), on R*S ranks, against plain FSDP2: plain FSDP2; plus one 16-byte all-reduce;
+sdcguard's checks 1, 3 (HSDP) and 4 without audits (check 3 every 100 steps); audits every 10 (the
+step API). A sharded replay is one more forward and backward of the whole mesh, all-gathers
+included, with nothing reduced: t_replay is a plain FSDP2 replica's forward+backward with its
+gradient reduction off (``set_requires_gradient_sync(False)``), measured in the same run.
 """
 import argparse
 import json
@@ -29,11 +37,12 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-AUDIT_EVERY = {"audit every 100": 100, "audit every 10": 10, "step API, audit every 10": 10}
+AUDIT_EVERY = {"audit every 100": 100, "audit every 10": 10, "step API, audit every 10": 10,
+               "audit every 10 (step API)": 10}
 SYNC_ONLY = "plain + one 16 B sync"
 
 
-def worker(out: str, rounds: int, window: int, slice_steps: int) -> None:
+def worker(out: str, rounds: int, window: int, slice_steps: int, sharded: str | None = None) -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -47,6 +56,10 @@ def worker(out: str, rounds: int, window: int, slice_steps: int) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
+    if sharded:
+        configs, replay_like = _sharded_configs(sharded, rank)
+        _measure(out, configs, replay_like, rounds, window, slice_steps, baseline="plain FSDP2")
+        return
 
     def replica():
         torch.manual_seed(0)
@@ -93,6 +106,14 @@ def worker(out: str, rounds: int, window: int, slice_steps: int) -> None:
             loss = lm_loss(bare, lm_batch(step, rank))
         torch.autograd.grad(loss, list(bare.parameters()))
 
+    _measure(out, configs, replay_like, rounds, window, slice_steps, baseline="plain DDP")
+
+
+def _measure(out, configs, replay_like, rounds, window, slice_steps, baseline):
+    """Every configuration through the same windows, interleaved slice by slice; rank 0 writes
+    the mean step time of each per round, and the replay's."""
+    import torch.distributed as dist
+
     for name, fn in configs.items():  # warm-up: lazy inits, DDP bucket rebuild
         for step in range(3):
             fn(step)
@@ -115,9 +136,70 @@ def worker(out: str, rounds: int, window: int, slice_steps: int) -> None:
             replay_like(step)
         replay_times.append((time.perf_counter() - started) / 10)
         step0 += window
-    if rank == 0:
-        Path(out).write_text(json.dumps({"means": means, "replay": replay_times}))
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps({"means": means, "replay": replay_times, "baseline": baseline}))
+    dist.barrier()
     dist.destroy_process_group()
+
+
+def _sharded_configs(mesh_shape: str, rank: int):
+    """The sharded configurations, each on its own FSDP2 replica of TinyGPT, and the replay's
+    stand-in (the whole mesh's forward+backward, all-gathers included, reducing nothing)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    sys.path.insert(0, str(HERE))
+    from gpt import TinyGPT, lm_batch, lm_loss
+
+    import sdcguard
+    from sdcguard.checks.rng import forward_seed, seeded
+
+    replicas, shards = (int(x) for x in mesh_shape.lower().split("x"))
+    mesh = (init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard")) if replicas > 1
+            else init_device_mesh("cpu", (shards,), mesh_dim_names=("shard",)))
+
+    def replica():
+        torch.manual_seed(0)
+        module = TinyGPT()
+        for block in module.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(module, mesh=mesh)
+        return module, torch.optim.AdamW(module.parameters(), lr=1e-3)
+
+    def plain_step(model, opt, step, sync=False):
+        opt.zero_grad(set_to_none=True)
+        with seeded(forward_seed(0, step, rank, 0), torch.device("cpu")):
+            loss = lm_loss(model, lm_batch(step, rank))
+        loss.backward()
+        if sync:
+            dist.all_reduce(torch.zeros(2, dtype=torch.float64))
+        opt.step()
+
+    configs = {}
+    for name, sync in (("plain FSDP2", False), (SYNC_ONLY, True)):
+        model, opt = replica()
+        configs[name] = lambda step, m=model, o=opt, s=sync: plain_step(m, o, step, s)
+    for name, audit in (("checks 1+3+4 (no audit)", 0), ("audit every 10 (step API)", 10)):
+        model, opt = replica()
+        guard = sdcguard.Guard(model, opt, lm_loss, config=sdcguard.Config(audit_every=audit, weight_check_every=100))
+
+        def step_api(step, g=guard, o=opt):
+            with g.step(step) as s:
+                s.backward(lm_batch(step, rank))
+                s.check()
+                o.step()
+                o.zero_grad(set_to_none=True)
+        configs[name] = step_api
+    bare, _ = replica()
+    bare.set_requires_gradient_sync(False)  # what a replay costs: forward + backward, nothing reduced
+
+    def replay_like(step):
+        with seeded(forward_seed(0, step, rank, 0), torch.device("cpu")):
+            loss = lm_loss(bare, lm_batch(step, rank))
+        loss.backward()
+    return configs, replay_like
 
 
 def main() -> int:
@@ -126,33 +208,41 @@ def main() -> int:
     parser.add_argument("--window", type=int, default=100)
     parser.add_argument("--ranks", type=int, default=3)
     parser.add_argument("--slice", type=int, default=10, help="steps of one configuration before the next takes its turn")
+    parser.add_argument("--sharded", metavar="RxS",
+                        help="FSDP2 over an R x S (replicate, shard) mesh on R*S ranks instead of DDP (1xS: pure FSDP)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.rounds, args.window, args.slice)
+        worker(args.worker, args.rounds, args.window, args.slice, args.sharded)
         return 0
+    ranks = args.ranks
+    extra = []
+    if args.sharded:
+        replicas, shards = (int(x) for x in args.sharded.lower().split("x"))
+        ranks, extra = replicas * shards, ["--sharded", args.sharded]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "result.json")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
                         __file__, "--rounds", str(args.rounds), "--window", str(args.window), "--slice", str(args.slice),
-                        "--worker", str(out)],
+                        *extra, "--worker", str(out)],
                        check=True, env=env)
         result = json.loads(out.read_text())
-    means, replays = result["means"], result["replay"]
-    plain = means["plain DDP"]
-    print(f"{args.ranks} gloo ranks, 1 thread each, TinyGPT; {args.rounds} rounds x {args.window} steps per "
+    means, replays, baseline = result["means"], result["replay"], result["baseline"]
+    plain = means[baseline]
+    model = f"TinyGPT, FSDP2 mesh {args.sharded} (fully_shard per block and root)" if args.sharded else "TinyGPT"
+    print(f"{ranks} gloo ranks, 1 thread each, {model}; {args.rounds} rounds x {args.window} steps per "
           f"configuration, interleaved {args.slice} steps at a time")
-    print(f"plain DDP step {statistics.median(plain) * 1e3:.1f} ms; replay (forward+backward) "
+    print(f"{baseline} step {statistics.median(plain) * 1e3:.1f} ms; replay (forward+backward) "
           f"{statistics.median(replays) * 1e3:.1f} ms")
-    print(f"{'configuration':24s} {'ms/step':>8s} {'x plain':>8s} {'(min-max)':>13s} {'floor':>7s} {'x plain - floor':>16s}")
+    print(f"{'configuration':26s} {'ms/step':>8s} {'x plain':>8s} {'(min-max)':>13s} {'floor':>7s} {'x plain - floor':>16s}")
     for name, times in means.items():
         n = AUDIT_EVERY.get(name)
-        # Paired within each round: this configuration against plain DDP in the same round.
+        # Paired within each round: this configuration against the baseline in the same round.
         ratios = [t / p for t, p in zip(times, plain)]
         floors = [1 + r / (n * p) if n else 1.0 for r, p in zip(replays, plain)]
         excess = statistics.median(x - f for x, f in zip(ratios, floors))
-        print(f"{name:24s} {statistics.median(times) * 1e3:8.1f} {statistics.median(ratios):8.3f} "
+        print(f"{name:26s} {statistics.median(times) * 1e3:8.1f} {statistics.median(ratios):8.3f} "
               f"{f'({min(ratios):.3f}-{max(ratios):.3f})':>13s} {statistics.median(floors):7.3f} {excess:+16.3f}")
     return 0
 
