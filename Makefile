@@ -15,7 +15,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # would put it on sys.path, where it shadows the standard library's `operator` module.
 export PYTHONSAFEPATH := 1
 
-.PHONY: demo test venv tools clean
+.PHONY: demo test test-slow venv tools clean
 
 venv: $(STAMP)
 
@@ -52,7 +52,12 @@ demo: $(STAMP) $(TOOLS)
 	$(VENV)/bin/sdcguard demo --report demo-report.json
 
 test: $(STAMP) $(TOOLS) $(PROMTOOL)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+# The long multi-process runs (the sharded drill, the drill's recovery matrix, the compiled and
+# HSDP examples); CI runs them after `make test`.
+test-slow: $(STAMP) $(TOOLS) $(PROMTOOL)
+	$(PY) -m pytest -q -m slow
 
 clean:
 	rm -rf $(VENV) demo-report.json .pytest_cache

@@ -161,6 +161,7 @@ def _recovered(alarm, recovery, window, checkpoint_step):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_transient_fault_on_an_audit_step_resumes_from_before_the_last_passing_audit(between_checkpoints):
     _, report = between_checkpoints
     alarm, recovery = _alarm(report, "replay", 10)
@@ -170,6 +171,7 @@ def test_transient_fault_on_an_audit_step_resumes_from_before_the_last_passing_a
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_weight_fault_caught_by_the_check_before_a_checkpoint(between_checkpoints):
     proc, report = between_checkpoints
     alarm, recovery = _alarm(report, "weights", 14)  # step 14: neither an audit nor a weight-check step
@@ -183,6 +185,7 @@ def test_weight_fault_caught_by_the_check_before_a_checkpoint(between_checkpoint
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_non_finite_faults_resume_from_before_their_windows(between_checkpoints):
     _, report = between_checkpoints
     # local: after the last passing audit (10), and never before the checkpoint this run resumed
@@ -195,6 +198,7 @@ def test_non_finite_faults_resume_from_before_their_windows(between_checkpoints)
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_persistent_fault_between_audits_resumes_from_before_the_last_passing_audit(persistent):
     _, report = persistent
     alarm, recovery = _alarm(report, "replay", 16)
@@ -209,6 +213,7 @@ def test_persistent_fault_between_audits_resumes_from_before_the_last_passing_au
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_finite_fault_inside_the_all_reduce_is_caught_by_check_4(persistent):
     _, report = persistent
     alarm, recovery = _alarm(report, "reduce-checksum", 4)
@@ -219,6 +224,7 @@ def test_a_finite_fault_inside_the_all_reduce_is_caught_by_check_4(persistent):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["between_checkpoints", "persistent"])
 def test_every_fault_caught_and_the_recovered_run_is_bitwise_the_clean_one(run, clean, request):
     _, report = request.getfixturevalue(run)

@@ -113,6 +113,7 @@ def hsdp_faults(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_clean_hsdp_drill_raises_no_alarm(hsdp_clean):
     proc, report = hsdp_clean
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -123,6 +124,7 @@ def test_a_clean_hsdp_drill_raises_no_alarm(hsdp_clean):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_hsdp_faults_are_caught_by_their_checks_naming_their_ranks(hsdp_faults, hsdp_clean):
     proc, report = hsdp_faults
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -153,6 +155,7 @@ def fsdp_faults(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_pure_fsdp_faults_are_caught_and_a_weight_fault_escapes_saying_why(fsdp_faults):
     proc, report = fsdp_faults
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -167,6 +170,7 @@ def test_pure_fsdp_faults_are_caught_and_a_weight_fault_escapes_saying_why(fsdp_
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_clean_pure_fsdp_run_raises_no_alarm(fsdp_faults):
     """No weights are ever verified with one replica, so every resume is from the start; each fault
     struck once (transient), so the last job is a clean pure-FSDP run of all 8 steps, audited every

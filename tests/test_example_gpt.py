@@ -185,6 +185,7 @@ def test_data_caused_inf_stops_every_rank_without_an_alarm(faults):
     assert 8 not in {a["step"] for a in faults["alarms"]}  # no alarm record: nobody is named
 
 
+@pytest.mark.slow
 def test_compiled_run_is_clean_with_audits(compiled):
     for r in compiled["results"]:
         assert r["model"] == "OptimizedModule"
