@@ -31,3 +31,24 @@ def test_a_missing_internal_is_named_before_any_step(sharded):
     del group._partial_reduce_output  # as a torch release that renamed it would look
     with pytest.raises(TypeError, match=r"FSDPParamGroup\._partial_reduce_output.*torch 2\.13"):
         require_supported(sharded)
+
+
+def test_check_4_is_planned_only_for_fsdp2s_plain_average(tmp_path):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from sdcguard.sharding.layout import param_groups
+    from sdcguard.sharding.verifier import plain_average
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        plans = {}
+        for name, policy in (("fp32", MixedPrecisionPolicy()),
+                             ("bf16 params, fp32 reduce", MixedPrecisionPolicy(torch.bfloat16, torch.float32)),
+                             ("fp16 reduce", MixedPrecisionPolicy(reduce_dtype=torch.float16))):
+            model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+            plans[name] = plain_average([g for _, _, g in param_groups(model)])
+        assert plans == {"fp32": True, "bf16 params, fp32 reduce": True, "fp16 reduce": False}
+    finally:
+        dist.destroy_process_group()

@@ -15,7 +15,8 @@ import torch
 _STATE = ("_state_ctx", "_fsdp_param_groups")
 _CONTEXT = ("is_last_backward",)
 _GROUP = ("fsdp_params", "reduce_grads", "all_reduce_grads", "_partial_reduce_output", "_all_reduce_hook",
-          "_reduce_scatter_comm", "mesh_info", "gradient_divide_factor", "force_sum_reduction_for_comms")
+          "_reduce_scatter_comm", "mesh_info", "gradient_divide_factor", "force_sum_reduction_for_comms",
+          "mp_policy")
 _PARAM = ("sharded_param", "unsharded_accumulated_grad")
 
 

@@ -66,9 +66,8 @@ class ShardedVerifier:
 
     @property
     def checks_reduction(self) -> bool:
-        """Check 4 covers the reduce-scatters: every unit reduces with FSDP2's plain average."""
-        return all(g.gradient_divide_factor is None and not g.force_sum_reduction_for_comms
-                   for _, g in self.recorder.units)
+        """Check 4 covers the reduce-scatters (see :func:`plain_average`)."""
+        return plain_average([g for _, g in self.recorder.units])
 
     def plan_lines(self) -> list[str]:
         """Which checks run for this mesh (logged once by the Guard)."""
@@ -222,3 +221,18 @@ class ShardedVerifier:
         if self.history.last_weights_verified_step is None or step > self.history.last_weights_verified_step:
             self.history.last_weights_verified_step = step
         self.last_weights_digest = mine.digest.hex()
+
+
+def plain_average(groups: list[Any]) -> bool:
+    """Every FSDP2 param group reduces with FSDP2's plain average: no divide factor, no forced sum,
+    and a float32 or bfloat16 reduction (FSDP2 pre- and post-divides a float16 one around a sum,
+    which check 4 does not model). Read from the groups' policies: it holds before the first
+    forward, when FSDP2 has not yet set its parameters' dtypes."""
+    return all(g.gradient_divide_factor is None and not g.force_sum_reduction_for_comms
+               and all(_reduce_dtype(g.mp_policy, p) in (torch.float32, torch.bfloat16) for p in g.fsdp_params)
+               for g in groups)
+
+
+def _reduce_dtype(policy: Any, param: Any) -> torch.dtype:
+    """The dtype a parameter's gradient is reduced in: the policy's, else the gradient's own."""
+    return policy.reduce_dtype or policy.param_dtype or param.sharded_param.dtype
