@@ -85,7 +85,7 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], facts: Facts, *
         raise CheckpointError(f"checkpoint {path} was not written: {outcome['failure']}")
     saved = recovery.Checkpoint(facts.step, str(path), facts.history.last_audited_step, outcome["sha256"])
     if writer:
-        _log_plan(plan, outcome["kept"], saved)
+        recovery.log_plan(plan, outcome["kept"], saved)
     return recovery.after_save(facts.history, plan, saved, outcome["kept"])
 
 
@@ -151,15 +151,6 @@ def _remove(paths: tuple[str, ...]) -> None:
     for path in paths:
         for victim in (Path(path), manifest_path(path)):
             victim.unlink(missing_ok=True)
-
-
-def _log_plan(plan: recovery.SavePlan, kept_as: str | None, saved: recovery.Checkpoint) -> None:
-    if plan.keep is not None and kept_as is not None:
-        log.warning("sdcguard: %s held step %d, which a later alarm may still name as its resume point: "
-                    "kept as %s while %s now holds step %d", plan.keep.path, plan.keep.step, kept_as,
-                    saved.path, saved.step)
-    for path in plan.remove:
-        log.info("sdcguard: removed %s: a newer verified checkpoint covers every window an alarm can open", path)
 
 
 def _write(path: Path, state: Mapping[str, Any], facts: Facts, plan: recovery.SavePlan, kept_as: str | None) -> str:

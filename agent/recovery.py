@@ -30,6 +30,7 @@ removed. Pure functions: unit-tested in-process.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field, replace
 
@@ -149,6 +150,17 @@ def plan_save(history: History, path: str, step: int, *, keep: bool) -> SavePlan
     stale = tuple(c for c in others if c.kept_from is not None and floor is not None and c.step < floor)
     dropped = tuple(c for c in same_path if c is not kept) + stale
     return SavePlan(kept, dropped, tuple(c.path for c in stale))
+
+
+def log_plan(plan: SavePlan, kept_as: str | None, saved: Checkpoint) -> None:
+    """Say what a save kept beside it and what it removed (both DDP files and DCP directories)."""
+    log = logging.getLogger("sdcguard")
+    if plan.keep is not None and kept_as is not None:
+        log.warning("sdcguard: %s held step %d, which a later alarm may still name as its resume point: "
+                    "kept as %s while %s now holds step %d", plan.keep.path, plan.keep.step, kept_as,
+                    saved.path, saved.step)
+    for path in plan.remove:
+        log.info("sdcguard: removed %s: a newer verified checkpoint covers every window an alarm can open", path)
 
 
 def after_save(history: History, plan: SavePlan, saved: Checkpoint, kept_as: str | None) -> History:

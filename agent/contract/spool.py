@@ -55,7 +55,7 @@ def write_json_atomic(path: Path, text: str, durable: bool = True) -> Path:
             os.fsync(fh.fileno())
     os.replace(tmp, path)
     if durable:
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     return path
 
 
@@ -68,7 +68,7 @@ def list_alarms(spool: str | os.PathLike[str]) -> list[Path]:
     return sorted(files, key=lambda p: (p.stat().st_mtime_ns, p.name))
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     """Make the rename itself durable (POSIX); harmless where directories cannot be opened."""
     try:
         fd = os.open(directory, os.O_RDONLY)

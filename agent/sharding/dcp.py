@@ -38,7 +38,7 @@ from .. import recovery
 from ..checkpoint import EARLIER_CHECKPOINTS, CheckpointError
 from ..checks.exchange import broadcast_json, gather_objects
 from ..contract.alarm import now_rfc3339
-from ..contract.spool import write_json_atomic
+from ..contract.spool import fsync_dir, write_json_atomic
 from . import dcp_manifest
 from .dcp_manifest import MANIFEST_NAME, WeightsOnlyLoadPlanner
 from .layout import ShardLayout
@@ -119,7 +119,7 @@ def save(path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: tor
     saved = recovery.Checkpoint(facts.step, str(path), facts.history.last_audited_step, outcome["sha256"],
                                 cross_checked=facts.weights_verified)
     if rank == 0:
-        _log_plan(plan, outcome["kept"], saved)
+        recovery.log_plan(plan, outcome["kept"], saved)
     return recovery.after_save(facts.history, plan, saved, outcome["kept"])
 
 
@@ -303,7 +303,7 @@ def _put_in_place(staging: Path, path: Path) -> None:
     if path.exists():
         os.rename(path, old)
     os.rename(staging, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -312,15 +312,6 @@ def _remove(paths: tuple[str, ...]) -> None:
     for victim in map(Path, paths):
         if dcp_manifest.is_sharded_checkpoint(victim):
             shutil.rmtree(victim)
-
-
-def _log_plan(plan: recovery.SavePlan, kept_as: str | None, saved: recovery.Checkpoint) -> None:
-    if plan.keep is not None and kept_as is not None:
-        log.warning("sdcguard: %s held step %d, which a later alarm may still name as its resume point: "
-                    "kept as %s while %s now holds step %d", plan.keep.path, plan.keep.step, kept_as,
-                    saved.path, saved.step)
-    for path in plan.remove:
-        log.info("sdcguard: removed %s: a newer verified checkpoint covers every window an alarm can open", path)
 
 
 # -- helpers ----------------------------------------------------------------------------------------
@@ -352,14 +343,3 @@ def _everyone(problem: str | list[str] | None, device: torch.device) -> list[str
     return [p for part in said for p in (part if isinstance(part, list) else [part]) if p]
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

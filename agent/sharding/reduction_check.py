@@ -20,7 +20,6 @@ replica group whose reduction is off (the reduction is shared: no single rank ca
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,7 +131,3 @@ def localize_checksum(rows: list[list[float]], layout: ShardLayout, rs_elements:
             found["all_reduce"].append({"shard": j, "ranks": ranks, "difference": x, "bound": bound})
     return found
 
-
-def nonfinite_micro(rows: list[list[float]], ranks: list[int]) -> dict[int, int | None]:
-    """Pure: rank -> the first micro-batch whose loss was not finite (None: the loss was finite)."""
-    return {r: (int(rows[r][2]) if math.isfinite(rows[r][2]) and rows[r][2] >= 0 else None) for r in ranks}

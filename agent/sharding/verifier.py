@@ -33,7 +33,7 @@ from ..verification import PASSED, Outcome, Scale, StepRecord
 from .fsdp_internals import require_supported
 from .layout import ShardLayout, plan_checks, read_layout
 from .reduce_record import ShardedRecorder
-from .reduction_check import VoteCoefficients, localize_checksum, nonfinite_micro, step_vote
+from .reduction_check import VoteCoefficients, localize_checksum, step_vote
 from .replay import ShardedReplayer, labels, own_pass
 from .shard_weights import fingerprint_shards, replicas_agree, shard_weights_verdict
 
