@@ -122,6 +122,11 @@ def replay(
     grads: dict[int, torch.Tensor] = {}
     losses: list[Fingerprint] = []
     nonfinite_micro = None
+    # Each parameter's gradient is added into its sum as the backward pass produces it, as
+    # AccumulateGrad does (g0, then g0 + g1, ...: the same bits), and autograd.grad gets a
+    # one-element stand-in back: so the sums and a whole micro-batch's gradients never coexist
+    # (an audit step's peak stays within one gradient copy of a plain step's).
+    handles = [p.register_hook(_accumulator(grads, index)) for index, p in params]
     try:
         with _replay_mode():
             for i, micro in enumerate(payload.micro_batches):
@@ -133,18 +138,25 @@ def replay(
                 scaled = weighting.apply(loss) if weighting is not None else loss
                 if scale is not None:
                     scaled = scale(scaled)
-                parts = torch.autograd.grad(scaled, [p for _, p in params], allow_unused=True)
-                for (index, _), part in zip(params, parts):
-                    if part is not None:  # accumulate as AccumulateGrad does: g0, then g0 + g1, ...
-                        grads[index] = part if index not in grads else grads[index] + part
+                torch.autograd.grad(scaled, [p for _, p in params], allow_unused=True)
                 losses.append(fingerprint(loss.detach()))
                 if with_norm and nonfinite_micro is None and not _finite(loss, grads.values()):
                     nonfinite_micro = i
     finally:
+        for handle in handles:
+            handle.remove()
         load_buffers(module, saved)
     result = _result(params, grads, losses, with_norm)
     result.nonfinite_micro = nonfinite_micro
     return result
+
+
+def _accumulator(grads: dict[int, torch.Tensor], index: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def accumulate(grad: torch.Tensor) -> torch.Tensor:
+        # Out of place: the engine may hand one tensor to two parameters, or a broadcast view.
+        grads[index] = grad if index not in grads else grads[index] + grad
+        return grad.new_zeros(()).expand(grad.shape)
+    return accumulate
 
 
 def _finite(loss: torch.Tensor, grads: Any) -> bool:
