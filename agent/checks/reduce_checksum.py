@@ -12,7 +12,8 @@ up to the rounding of the reduction, bounded below from the operands (no tuned t
 an offset drawn per step from (seed, step): an error pattern cannot line up with the weights for
 long, and two swapped elements change the checksum. To keep the CPU cost at a few passes over the
 gradient, the bucket is folded into ``ROWS`` rows first: ``P_j = sum_k g[k*L + j]``, added pairwise
-(``log2 ROWS`` roundings per element, in float32 or float64), and ``c = sum_j T_j P_j`` in float64; the elements of one column share a weight.
+(``log2 ROWS`` roundings per element, in float32 or float64), and ``c = sum_j T_j P_j`` in float64;
+the elements of one column share a weight.
 The local operands' size ``A = sum_i |g_i|`` is bounded by Cauchy–Schwarz from the local squared
 norm (``norms.abs_sum_bound``: rigorous, and within ~1.25x of the exact sum for dense gradients).
 
