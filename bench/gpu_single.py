@@ -20,7 +20,6 @@ On CPU it runs too (``--device cpu``), which is how it is kept working without a
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA initialises
@@ -28,6 +27,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA initi
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fingerprint import best_of  # noqa: E402  (bench/fingerprint.py)
 from gpt import TinyGPT, lm_batch, lm_loss  # noqa: E402
 
 from sdcguard.checks.reduce_checksum import ChecksumWeights, Shape, judge_checksum, rounding_bound, vote  # noqa: E402
@@ -37,17 +37,8 @@ from sdcguard.fingerprint import fingerprint, fingerprint_many  # noqa: E402
 
 
 def timed(fn, device, reps=10):
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - started)
-    return best
+    fn()  # warm-up: kernels compiled, tables made
+    return best_of(fn, device, reps)
 
 
 def check4(device) -> bool:
