@@ -1,9 +1,10 @@
-"""How many lines porting the example's plain training script to sdcguard changed.
+"""How many lines porting each example's plain training script to sdcguard changed.
 
-    python bench/port_lines.py [--diff]
+    python bench/port_lines.py [--diff] [--plain P --ported Q]
 
-Compares examples/gpt/train_plain.py with examples/gpt/train.py by difflib, leaving out each
-file's module docstring (it describes the file, not the training). Prints the insertions and
+Compares, in every folder under examples/ that has both, train_plain.py (the script without
+sdcguard) with train.py (the same script with it) by difflib, leaving out each file's module
+docstring (it describes the file, not the training). Prints the insertions and
 deletions (``git diff --numstat`` counts: a rewritten line is one of each), the changed lines
 counting a replaced block once (``max(removed, added)`` per hunk), and the hunks themselves.
 """
@@ -14,7 +15,7 @@ import ast
 import difflib
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "gpt"
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def code_lines(path: Path) -> list[str]:
@@ -42,20 +43,35 @@ def count(plain: list[str], ported: list[str]) -> dict[str, int]:
             "plain_lines": len(plain), "ported_lines": len(ported)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plain", type=Path, default=EXAMPLE / "train_plain.py")
-    parser.add_argument("--ported", type=Path, default=EXAMPLE / "train.py")
-    parser.add_argument("--diff", action="store_true", help="also print the unified diff")
-    args = parser.parse_args()
-    plain, ported = code_lines(args.plain), code_lines(args.ported)
+def pairs() -> list[tuple[Path, Path]]:
+    """Every example folder's (train_plain.py, train.py)."""
+    return [(plain, plain.with_name("train.py")) for plain in sorted(EXAMPLES.glob("*/train_plain.py"))
+            if plain.with_name("train.py").exists()]
+
+
+def report(plain_path: Path, ported_path: Path, diff: bool) -> None:
+    plain, ported = code_lines(plain_path), code_lines(ported_path)
     c = count(plain, ported)
-    print(f"{args.plain.name} ({c['plain_lines']} lines of code) -> {args.ported.name} ({c['ported_lines']})")
+    where = plain_path.parent.name
+    print(f"{where}/{plain_path.name} ({c['plain_lines']} lines of code) -> "
+          f"{where}/{ported_path.name} ({c['ported_lines']})")
     print(f"  {c['insertions']} insertions(+), {c['deletions']} deletions(-) in {c['hunks']} hunks")
     print(f"  {c['changed']} lines changed (a replaced block counted once)")
-    if args.diff:
-        for line in difflib.unified_diff(plain, ported, args.plain.name, args.ported.name, n=0, lineterm=""):
+    if diff:
+        for line in difflib.unified_diff(plain, ported, plain_path.name, ported_path.name, n=0, lineterm=""):
             print(line)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plain", type=Path, help="compare only this script ...")
+    parser.add_argument("--ported", type=Path, help="... with this one")
+    parser.add_argument("--diff", action="store_true", help="also print the unified diff")
+    args = parser.parse_args()
+    if (args.plain is None) != (args.ported is None):
+        parser.error("--plain and --ported go together")
+    for plain, ported in [(args.plain, args.ported)] if args.plain else pairs():
+        report(plain, ported, args.diff)
 
 
 if __name__ == "__main__":
