@@ -1,0 +1,364 @@
+"""sdcguard in a Hugging Face ``transformers.Trainer`` run, and in your own Accelerate loop.
+
+Trainer (``transformers`` 5.x)::
+
+    trainer = SdcguardTrainer(model=model, args=training_args, train_dataset=dataset,
+                              sdcguard_config=sdcguard.Config.from_env())
+    trainer.train()   # raises sdcguard.SDCDetected (the same on every rank) when a check fires
+
+Each optimizer step of the Trainer becomes one ``guard.step``: ``training_step`` runs every
+micro-batch through ``s.backward`` (the Trainer's ``compute_loss`` is sdcguard's ``loss_fn``, so a
+replay on another rank recomputes exactly what this one did, ``num_items_in_batch`` included),
+``s.check()`` runs after the last micro-batch's backward and so before the Trainer clips and calls
+``optimizer.step()``; the step closes (check 3 on weight-check steps) in ``on_optimizer_step``.
+The Trainer's own arithmetic is kept: its loss scaling for gradient accumulation, its
+``no_sync``, clipping, scheduler and autocast (``bf16``). sdcguard's steps are the Trainer's
+``global_step`` values: step N is the update that makes ``global_step`` N, so ``checkpoint-N``
+holds step N and ``Config(checkpoint_every=save_steps)`` audits every saved step.
+
+Checkpoints: every ``checkpoint-N`` folder is written only after check 3 passed, then gets
+``sdcguard-trainer.json`` (every file's SHA-256, the weight digest of ``model.safetensors``, the
+step, what the run had verified). ``save_total_limit`` still rotates the folders, but never
+deletes one an alarm may still name as its resume point (``recovery.resume_floor``); a folder it
+deletes leaves the history, so no alarm names it. :func:`verify_folder` checks a folder offline.
+
+Accelerate (``accelerate`` 1.x), in your own loop::
+
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    guard = accelerate_guard(accelerator, model, optimizer, loss_fn, config=sdcguard.Config.from_env())
+    with guard.step(step, micro_batches=n) as s:
+        for micro in micro_batches:
+            s.backward(micro, divide_by=n)      # in place of accelerator.backward(loss / n)
+        s.check()
+        accelerator.clip_grad_norm_(model.parameters(), 1.0); optimizer.step(); optimizer.zero_grad()
+
+DDP (``torchrun``, any backend) and a single process are supported; FSDP, DeepSpeed, Megatron,
+SageMaker MP, ``DataParallel`` (several GPUs in one process) and context parallelism are refused
+with a :class:`~sdcguard.errors.ConfigurationError` naming the setting.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
+
+from .. import checkpoint as file_checkpoint
+from .. import recovery
+from ..checks.exchange import broadcast_json
+from ..config import Config
+from ..contract.alarm import now_rfc3339
+from ..contract.spool import write_json_atomic
+from ..errors import ConfigurationError
+from ..guard import Guard
+from ..sharding.dcp_manifest import identity as _identity, sha256_file
+from ..step import Step
+
+__all__ = ["SdcguardTrainer", "SdcguardCallback", "accelerate_guard", "verify_folder", "MANIFEST_NAME"]
+
+log = logging.getLogger("sdcguard")
+
+MANIFEST_NAME = "sdcguard-trainer.json"
+SCHEMA = "sdcguard.dev/checkpoint-hf/v1"
+WEIGHTS_FILE = "model.safetensors"
+
+
+# -- Trainer --------------------------------------------------------------------------------------
+
+class SdcguardCallback(TrainerCallback):
+    """Closes each checked step once the Trainer's optimizer step ran (check 3 on weight-check
+    steps) and flushes the statistics when training ends. :class:`SdcguardTrainer` adds it."""
+
+    def __init__(self, trainer: SdcguardTrainer) -> None:
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._end_step(None)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.trainer.guard is not None:
+            self.trainer.guard.flush_stats()
+
+
+class SdcguardTrainer(Trainer):
+    """``transformers.Trainer`` whose optimizer steps run through sdcguard's step API.
+
+    ``sdcguard_config``: the Guard's settings (default ``Config.from_env()``);
+    ``sdcguard_reduce_hook`` / ``sdcguard_reduce_state``: your own DDP reduction (see ``Guard``).
+    Every other argument is the Trainer's. With ``save_strategy="steps"`` and no
+    ``checkpoint_every`` of its own, the config's checkpoint interval is ``save_steps`` (saved steps
+    are then audited, so the newest folder is a resume point). The Guard is built at the first training step, once
+    the Trainer has wrapped the model (``self.guard``)."""
+
+    def __init__(self, *args: Any, sdcguard_config: Config | None = None,
+                 sdcguard_reduce_hook: Callable[..., Any] | None = None, sdcguard_reduce_state: Any = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        config = sdcguard_config if sdcguard_config is not None else Config.from_env()
+        if not config.checkpoint_every and self.args.save_strategy == "steps" and self.args.save_steps >= 1:
+            # the job's checkpoint interval is the Trainer's: saved steps are audited (audit_checkpoints)
+            config = replace(config, checkpoint_every=int(self.args.save_steps))
+        self.sdcguard_config = config
+        self.sdcguard_reduce_hook = sdcguard_reduce_hook
+        self.sdcguard_reduce_state = sdcguard_reduce_state
+        self.guard: Guard | None = None
+        self._step: Step | None = None
+        self.add_callback(SdcguardCallback(self))
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """The Trainer's micro-batch (forward, loss scaling, backward) as ``s.backward``; after the
+        last micro-batch of the optimizer step, ``s.check()``. Returns what the Trainer's own
+        ``training_step`` returns: the loss as it was backpropagated, detached."""
+        guard = self._guard_for(model)
+        if self._step is None:
+            self._step = guard.step(self.state.global_step + 1, micro_batches=self.current_gradient_accumulation_steps)
+            self._step.__enter__()
+        s = self._step
+        try:
+            cp_context, inputs = self._prepare_context_parallel_inputs(model, inputs)
+            with cp_context():
+                model.train()
+                if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+                    self.optimizer.train()
+                micro = {"inputs": self._prepare_inputs(inputs), "num_items_in_batch": num_items_in_batch}
+                divide_by = None if self._loss_is_scaled_for_ga(num_items_in_batch) else self.current_gradient_accumulation_steps
+                loss = s.backward(micro, divide_by=divide_by)
+            if len(s.batches) == s.micro_batches:
+                s.check()  # before the Trainer clips and steps: raises on every rank alike
+        except BaseException as exc:
+            self._end_step(exc)
+            raise
+        return loss / divide_by if divide_by is not None else loss
+
+    def sdcguard_loss(self, module: torch.nn.Module, micro: Mapping[str, Any]) -> torch.Tensor:
+        """sdcguard's ``loss_fn``: the Trainer's ``compute_loss`` on one recorded micro-batch (for
+        your pass, with the wrapped model, and for replays, with the bare module)."""
+        with self.compute_loss_context_manager():
+            return self.compute_loss(module, dict(micro["inputs"]), num_items_in_batch=micro["num_items_in_batch"])
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)
+        except BaseException as exc:
+            self._end_step(exc)  # a step still open (an error between check and update) ends failed
+            raise
+
+    def _end_step(self, failed: BaseException | None) -> None:
+        s, self._step = self._step, None
+        if s is not None:
+            s.__exit__(None if failed is None else type(failed), failed, None)
+
+    def _loss_is_scaled_for_ga(self, num_items_in_batch: Any) -> bool:
+        # The Trainer's own rule (training_step): a loss normalised over the accumulated batch is not divided again.
+        if self.loss_is_scaled_for_ga is not None:
+            return bool(self.loss_is_scaled_for_ga)
+        return bool((self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None)
+
+    def _guard_for(self, model: torch.nn.Module) -> Guard:
+        if self.guard is None or self.guard.model is not model:
+            _refuse_trainer_setup(self)
+            self.guard = accelerate_guard(self.accelerator, model, self.optimizer, self.sdcguard_loss,
+                                          config=self.sdcguard_config, reduce_hook=self.sdcguard_reduce_hook,
+                                          reduce_state=self.sdcguard_reduce_state)
+        return self.guard
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        """Check 3, the Trainer's ``checkpoint-N`` folder, its manifest, then the rotation."""
+        guard = self.guard
+        if guard is None:  # nothing trained in this call (e.g. a save right after resuming)
+            return super()._save_checkpoint(model, trial)
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if guard.alarms_raised:
+            raise file_checkpoint.CheckpointError(
+                f"refusing to write {folder}: this run raised {guard.alarms_raised} alarm(s) and its state is suspect")
+        step = file_checkpoint.manifest_step(guard.updates_through, self.state.global_step, folder)
+        guard.check_weights(step)  # SDCDetected on every rank before anything is written
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None  # the Trainer's rotation waits until the manifest is written
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        guard.history = _record_folder(guard, folder, step)
+        guard.history = _rotate(guard, run_dir, limit, self.state.best_model_checkpoint, self.args.should_save)
+
+
+def _refuse_trainer_setup(trainer: Trainer) -> None:
+    """What the Trainer integration cannot check: refuse it at the first step, naming the setting."""
+    args = trainer.args
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or getattr(trainer, "is_fsdp_xla_enabled", False):
+        raise ConfigurationError("sdcguard's Trainer integration supports DDP and a single process; "
+                                 "TrainingArguments(fsdp=...) / deepspeed=... is not supported yet")
+    if args.n_gpu > 1:
+        raise ConfigurationError(f"sdcguard: TrainingArguments puts {args.n_gpu} GPUs in one process (DataParallel); "
+                                 "launch one process per GPU with torchrun instead")
+    if getattr(trainer, "is_distributed_loading_by_transformers", False):
+        raise ConfigurationError("sdcguard: a model sharded at load time (tp_plan / device_mesh) is not supported")
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    if pc is not None and (getattr(pc, "cp_enabled", False) or getattr(pc, "sp_enabled", False)):
+        raise ConfigurationError("sdcguard: context / sequence parallelism is not supported")
+    if args.optim in ("lomo", "adalomo"):
+        raise ConfigurationError(f"sdcguard: optim={args.optim!r} updates inside the backward, before any check")
+
+
+# -- Accelerate -----------------------------------------------------------------------------------
+
+def accelerate_guard(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *, config: Config | None = None,
+                     **guard_kwargs: Any) -> Guard:
+    """The Guard for the model and optimizer ``accelerator.prepare`` returned: the torch optimizer
+    inside Accelerate's wrapper, Accelerate's GradScaler (fp16), the checks for DDP or one process.
+
+    In the loop, ``s.backward(micro, divide_by=n)`` replaces ``accelerator.backward(loss)`` (leave
+    ``Accelerator(gradient_accumulation_steps=)`` at 1 and ``accumulate()`` out: the step's
+    ``micro_batches`` and ``s.backward`` do both); autocast from ``mixed_precision`` applies to the
+    replays too, since Accelerate puts it on the module's own ``forward``."""
+    kind = accelerator.distributed_type
+    if kind not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        raise ConfigurationError(f"sdcguard supports Accelerate's DDP (MULTI_GPU / MULTI_CPU) and a single process, "
+                                 f"not {kind}: FSDP, DeepSpeed and Megatron are not supported yet")
+    if accelerator.gradient_accumulation_steps != 1 and accelerator.gradient_state.plugin_kwargs.get("sync_each_batch"):
+        raise ConfigurationError("sdcguard: sync_each_batch reduces every micro-batch; the step API reduces the last one")
+    inner = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer wraps the torch optimizer
+    return Guard(model, inner, loss_fn, config=config, scaler=accelerator.scaler, **guard_kwargs)
+
+
+# -- checkpoint-N folders -------------------------------------------------------------------------
+
+def _record_folder(guard: Guard, folder: str, step: int) -> recovery.History:
+    """Once every rank's files are in ``folder`` (the Trainer's save), rank 0 checks the saved
+    weights against check 3's digest and writes the manifest; every rank learns the outcome and
+    records the checkpoint in the history (the same on every rank)."""
+    if not guard.solo:
+        dist.barrier(group=guard.group)  # each rank writes its own rng_state_<rank>.pth
+    history = guard.history
+    plan = recovery.plan_save(history, folder, step, keep=False)  # a folder written again is not kept
+    outcome: dict[str, Any] = {"failure": None, "sha256": None}
+    if guard.topology.rank == 0:
+        try:
+            outcome["sha256"] = _write_manifest(guard, Path(folder), step, plan)
+        except (file_checkpoint.CheckpointError, OSError) as exc:
+            outcome["failure"] = f"{type(exc).__name__}: {exc}"
+    if not guard.solo:
+        outcome = broadcast_json(outcome if guard.topology.rank == 0 else None, 0, guard.device, guard.group)
+    if outcome["failure"] is not None:
+        raise file_checkpoint.CheckpointError(f"checkpoint {folder} has no manifest: {outcome['failure']}")
+    saved = recovery.Checkpoint(step, folder, history.last_audited_step, outcome["sha256"])
+    return recovery.after_save(history, plan, saved, None)
+
+
+def _write_manifest(guard: Guard, folder: Path, step: int, plan: recovery.SavePlan) -> str:
+    names = [n for n, _ in guard.named_parameters]
+    found = _weights_digest(folder, names)
+    if found != guard.last_weights_digest:
+        raise file_checkpoint.CheckpointError(f"{folder / WEIGHTS_FILE} does not hold the weights check 3 just "
+                                              f"verified (digest {found}, check 3 {guard.last_weights_digest})")
+    files = _hash_folder(folder)
+    history = guard.history
+    after = recovery.after_save(history, plan, recovery.Checkpoint(step, str(folder), None), None)
+    earlier = [c for c in after.checkpoints if c.step < step]
+    identity = _identity(files)
+    write_json_atomic(folder / MANIFEST_NAME, json.dumps({
+        "schema": SCHEMA, "step": step, "verified": True, "sha256": identity, "files": files,
+        "weight_digest": guard.last_weights_digest, "weights_file": WEIGHTS_FILE, "parameters": names,
+        "audited_step": history.last_audited_step, "audited": history.last_audited_step == step,
+        "reduction_verified_step": history.last_reduction_verified_step,
+        "earlier_checkpoints": [{"step": c.step, "path": c.path, "audited_step": c.audited_step, "sha256": c.sha256}
+                                for c in earlier[-file_checkpoint.EARLIER_CHECKPOINTS:]],
+        "replicas": guard.topology.world_size, "verified_at": now_rfc3339(), "run_id": guard.topology.run_id,
+    }, indent=2, sort_keys=True))
+    return identity
+
+
+def _rotate(guard: Guard, run_dir: str, limit: int | None, best: str | None, writer: bool) -> recovery.History:
+    """The Trainer's ``save_total_limit`` rotation (oldest first; the newest and the best model
+    kept), sparing the folders a later alarm may still name; deleted folders leave the history."""
+    history = guard.history
+    deleted: list[str] = []
+    if guard.topology.rank == 0 and writer and limit is not None and limit > 0:
+        floor = recovery.resume_floor(history)
+        needed = {os.path.normpath(c.path) for c in history.checkpoints
+                  if c.cross_checked and (floor is None or c.step >= floor)}
+        folders = [os.path.normpath(f) for f in sort_checkpoints(run_dir, use_mtime=False, best_model_checkpoint=best)]
+        protected = (set(folders[-1:]) | needed | ({os.path.normpath(best)} if best else set())) & set(folders)
+        remaining = len(folders)
+        for folder in folders:
+            if remaining <= max(limit, len(protected)):
+                break
+            if folder not in protected:
+                shutil.rmtree(folder, ignore_errors=True)
+                deleted.append(folder)
+                remaining -= 1
+        if remaining > limit:
+            log.info("sdcguard: %d checkpoint folders kept (save_total_limit=%d): a later alarm may still name %s",
+                     remaining, limit, sorted(needed - set(folders[-1:])))
+    if not guard.solo:
+        deleted = broadcast_json(deleted if guard.topology.rank == 0 else None, 0, guard.device, guard.group)
+    gone = set(deleted)
+    return replace(history, checkpoints=[c for c in history.checkpoints if os.path.normpath(c.path) not in gone])
+
+
+def verify_folder(path: str | os.PathLike[str], *, expect_step: int | None = None,
+                  expect_sha256: str | None = None) -> dict[str, Any]:
+    """Check a ``checkpoint-N`` folder against its manifest without a model or a process group:
+    the step and identity an alarm named, every file's SHA-256 (none missing or added), and the
+    weight digest of the parameters in ``model.safetensors``. Returns the manifest; raises
+    ``CheckpointError`` naming what differs."""
+    folder = Path(path)
+    try:
+        manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    except FileNotFoundError:
+        raise file_checkpoint.CheckpointError(f"{folder} has no {MANIFEST_NAME}: not written by sdcguard after a "
+                                              "passing check") from None
+    except ValueError as exc:
+        raise file_checkpoint.CheckpointError(f"{folder / MANIFEST_NAME} is not valid JSON: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA or manifest.get("verified") is not True:
+        raise file_checkpoint.CheckpointError(f"{folder / MANIFEST_NAME} does not record a verified checkpoint")
+    if expect_step is not None and int(manifest["step"]) != int(expect_step):
+        raise file_checkpoint.CheckpointError(f"{folder} holds step {manifest['step']}, not step {expect_step}")
+    if expect_sha256 is not None and manifest["sha256"] != expect_sha256.strip().lower():
+        raise file_checkpoint.CheckpointError(f"{folder} is not the checkpoint the alarm named: "
+                                              f"sha256 {manifest['sha256']} != {expect_sha256}")
+    found = _hash_folder(folder)
+    problems = [f"{n}: {'missing' if n not in found else 'modified'}" for n in sorted(manifest["files"])
+                if found.get(n) != manifest["files"][n]]
+    problems += [f"{n}: not in the manifest" for n in sorted(set(found) - set(manifest["files"]))]
+    if problems:
+        raise file_checkpoint.CheckpointError(f"{folder} differs from its manifest: {'; '.join(problems)}")
+    if _identity(found) != manifest["sha256"]:
+        raise file_checkpoint.CheckpointError(f"{folder}: its file list does not hash to the manifest's sha256")
+    digest = _weights_digest(folder, manifest["parameters"])
+    if digest != manifest["weight_digest"]:
+        raise file_checkpoint.CheckpointError(f"{folder / WEIGHTS_FILE}: weight digest {digest}, "
+                                              f"manifest {manifest['weight_digest']}")
+    return manifest
+
+
+def _weights_digest(folder: Path, names: list[str]) -> str:
+    from safetensors.torch import load_file
+    weights = folder / WEIGHTS_FILE
+    if not weights.is_file():
+        raise file_checkpoint.CheckpointError(f"{weights} is missing (save_safetensors=False is not supported)")
+    return file_checkpoint._state_digest({"model": load_file(weights)}, "model", names, where=str(weights))
+
+
+def _hash_folder(folder: Path) -> dict[str, str]:
+    """relative path -> SHA-256 of every file under ``folder`` but the manifest."""
+    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != MANIFEST_NAME}
