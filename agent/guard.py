@@ -79,6 +79,7 @@ class Guard:
         self.model = model
         """What ``loss_fn`` is called with for the real pass (DDP, compiled, or plain)."""
         self.ddp, self.module, self.compiled = unwrap(model)
+        self.compiled = self.compiled or _compiles_inside(self.module)
         self.sharded = _is_fsdp(self.module)
         """FSDP2 (``fully_shard``) at the root: the sharded checks (``sdcguard.sharding``) run."""
         self.optimizer = optimizer
@@ -91,9 +92,8 @@ class Guard:
         if self.ddp is None and not self.sharded and distributed and dist.get_world_size() > 1:
             raise TypeError("with more than one process, Guard needs the model wrapped in "
                             "DistributedDataParallel (or torch.compile of it), or sharded with FSDP2's fully_shard")
-        if self.sharded and (self.compiled or reduce_hook is not None or not distributed):
-            raise TypeError("sdcguard: an FSDP2 model needs a process group, and is not supported yet under "
-                            "torch.compile or with a DDP reduce_hook")
+        if self.sharded and (reduce_hook is not None or not distributed):
+            raise TypeError("sdcguard: an FSDP2 model needs a process group, and takes no DDP reduce_hook")
         self.device = (_collective_device(self.group) if self.ddp is not None or self.sharded
                        else _param_device(self.module))
         self.topology: Topology = (gather_topology(self.config, self.group, self.device)
@@ -450,6 +450,13 @@ def unwrap(model: torch.nn.Module) -> tuple[DistributedDataParallel | None, torc
             compiled, m = True, m._orig_mod
         else:
             return ddp, m, compiled
+
+
+def _compiles_inside(module: torch.nn.Module) -> bool:
+    """Whether a submodule runs compiled: ``torch.compile(block)`` put in the tree, or
+    ``block.compile()`` in place (torchtitan compiles each block so, before ``fully_shard``)."""
+    return any(getattr(m, "_compiled_call_impl", None) is not None or isinstance(getattr(m, "_orig_mod", None), torch.nn.Module)
+               for m in module.modules())
 
 
 def _is_fsdp(module: torch.nn.Module) -> bool:

@@ -10,6 +10,14 @@ this 2-core machine):
   faults  float32, --keep-going: an activation of rank 2's forward set to NaN at step 1 (check 1,
           not reproduced by the mesh's replay: nonfinite-local, rank 2) and a flipped bit in rank
           1's local gradient at the audit of step 3 (check 2 names rank 1).
+
+Compiled (slow: three more launches, ~80 s together, most of it inductor):
+  blocks  each block compiled in place before fully_shard (torchtitan), checks 1, 3 and 4 on every
+          step and no audits: bit for bit the compiled loop without sdcguard;
+  root    torch.compile of the sharded root, audits at 0, 3 and 6 (eager) among compiled steps:
+          a NaN in a compiled forward, a flipped gradient bit at an audit, a scaled reduced
+          element, each caught by its check, a clean audit after them, and a flipped weight bit
+          caught by check 3 at the next weight check.
 """
 import json
 import os
@@ -110,3 +118,44 @@ def test_injected_faults_are_caught_naming_the_rank_and_its_place_in_the_mesh(ru
     assert not replay["ambiguous"] and replay["evidence"]["mesh"] == {"replicas": 2, "shards": 2}
     assert replay["evidence"]["coordinates"]["1"] == {"replica": 0, "shard": 1, "shard_group": [0, 1]}
     assert replay["evidence"]["pairs"][0]["differing_parameters"]["names"] == ["transformer.h.0 (micro-batch 0)"]
+
+
+COMPILED = [*COMMON, "--steps", "9", "--weight-check-every", "2", "--eval-interval", "0"]
+# a weight fault leaves the replicas apart for good: it comes last, after the clean audit of step 6
+COMPILED_FAULTS = ["--keep-going", "--inject", "forward-nan:rank=2:step=1", "--inject",
+                   "grad-bitflip:rank=1:step=3:element=7", "--inject", "reduce-scale:rank=3:step=4",
+                   "--inject", "weight-bitflip:rank=0:step=7"]
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hsdp-compiled")
+    flags = {"blocks": [*COMPILED, "--compile", "blocks", "--audit-every", "0"],
+             "blocks-plain": [*COMPILED, "--compile", "blocks", "--no-sdcguard"],
+             "root": [*COMPILED, "--compile", "root", "--audit-every", "3", *COMPILED_FAULTS]}
+    procs = {name: _start(root / name, *f) for name, f in flags.items()}
+    return {name: _finish(root / name, proc) for name, proc in procs.items()}
+
+
+@pytest.mark.slow
+def test_blocks_compiled_before_fully_shard_train_bitwise_as_without_sdcguard(compiled):
+    for guarded, unguarded in zip(compiled["blocks"]["results"], compiled["blocks-plain"]["results"]):
+        assert guarded["compiled_graphs"] > 0 and unguarded["compiled_graphs"] > 0
+        assert (guarded["alarms"], guarded["errors"], guarded["final_step"]) == ([], [], 9)
+        assert guarded["weights_digest"] == unguarded["weights_digest"] and guarded["losses"] == unguarded["losses"]
+        assert (guarded["last_weights_verified"], guarded["last_reduction_verified"]) == (8, 8)
+    assert compiled["blocks"]["alarms"] == []
+
+
+@pytest.mark.slow
+def test_a_compiled_root_catches_every_fault_by_its_check_and_audits_clean_after(compiled):
+    run = compiled["root"]
+    expected = [("nonfinite-local", 1, [2]), ("replay", 3, [1]), ("reduce-checksum", 4, []),
+                ("weights", 8, [0, 2])]  # two replicas of rank 0's shard: both named (ambiguous)
+    for r in run["results"]:
+        assert r["model"] == "OptimizedModule" and r["compiled_graphs"] > 0 and r["final_step"] == 9
+        assert [(a["check"], a["step"], a["suspect_ranks"]) for a in r["alarms"]] == expected
+        assert r["last_audited"] == 6  # the audit after the faults passed: no false alarm from compiled steps
+    fired = sorted((f["kind"], f["rank"], f["step"]) for r in run["results"] for f in r["fired"])
+    assert fired == [("forward-nan", 2, 1), ("grad-bitflip", 1, 3), ("reduce-scale", 3, 4),
+                     ("weight-bitflip", 0, 7)]

@@ -158,6 +158,18 @@ def test_compiled_module_in_one_process():
     guard.train_step(0, data(0))
 
 
+def test_a_block_compiled_in_place_counts_as_compiled():
+    # torchtitan's way: block.compile() before fully_shard; audit steps must then run it eagerly
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    model[0].compile(backend="eager")
+    guard = sdcguard.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, config=Config())
+    assert guard.module is model and guard.compiled
+    guard.train_step(0, data(0))
+    plain = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    assert not sdcguard.Guard(plain, torch.optim.SGD(plain.parameters(), lr=0.1), loss_fn, config=Config()).compiled
+
+
 def test_checkpoint_in_the_users_format_round_trips_and_verifies(tmp_path):
     model, opt, guard = make()
     guard.train_step(0, data(0))

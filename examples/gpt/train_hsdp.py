@@ -21,7 +21,9 @@ in float32: the replay recomputes the bfloat16 forward and backward bit for bit 
 reduces in float32 with its plain average (check 4's float32 bound), and the shards the optimizer
 updates and check 3 compares are float32. ``--reduce-bf16`` leaves ``reduce_dtype`` unset, so the
 gradients are reduced in bfloat16: check 4 still runs, with bfloat16's bound (only errors larger
-than the gradient itself show). See README.md, "Sharded models".
+than the gradient itself show). ``--compile blocks`` compiles each block in place before
+``fully_shard`` (torchtitan's way), ``--compile root`` the sharded root after it; audit steps run
+eagerly (their own pass and the replays), the others compiled. See README.md, "Sharded models".
 """
 import argparse
 import math
@@ -64,6 +66,8 @@ def parse_args() -> argparse.Namespace:
     add("--mixed-precision", action="store_true",
         help="MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)")
     add("--reduce-bf16", action="store_true", help="with --mixed-precision: reduce the gradients in bfloat16 too")
+    add("--compile", choices=("blocks", "root"), default=None,
+        help="torch.compile each block before fully_shard (torchtitan's way), or the sharded root after it")
     add("--eval-interval", type=int, default=10, help="evaluate every N steps; 0: never")
     add("--eval-iters", type=int, default=2)
     add("--log-interval", type=int, default=10)
@@ -129,8 +133,12 @@ if args.mixed_precision:
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                      reduce_dtype=None if args.reduce_bf16 else torch.float32)
 for block in model.transformer.h:
+    if args.compile == "blocks":
+        block.compile()  # in place, before fully_shard, as torchtitan does
     fully_shard(block, mesh=mesh, mp_policy=mp_policy)
 fully_shard(model, mesh=mesh, mp_policy=mp_policy)  # the root: embeddings (tied to the head), ln_f
+if args.compile == "root":
+    model = torch.compile(model)
 optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95))  # on the sharded parameters
 guard, injector = None, None
 if args.sdcguard:
@@ -189,7 +197,8 @@ while iter_num < args.steps:
             print(f"iter {iter_num}: loss {loss.item():.4f}, {time.time() - t0:.1f} s")
     # leaving the guarded step ran check 3 on weight-check steps
     iter_num += 1
-extra = {"fired": injector.fired if injector is not None else [], "sdcguard": args.sdcguard}
+extra = {"fired": injector.fired if injector is not None else [], "sdcguard": args.sdcguard,
+         "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}  # 0 unless --compile
 if guard is not None:
     extra.update(last_audited=guard.history.last_audited_step, last_weights_verified=guard.last_weights_verified_step,
                  last_reduction_verified=guard.history.last_reduction_verified_step,
