@@ -1,0 +1,338 @@
+"""sdcguard's checks inside a PyTorch Lightning 2.6 run: one strategy, the user's module unchanged.
+
+    import sdcguard.integrations.lightning as sdcguard_lightning
+    trainer = L.Trainer(accelerator="cpu", devices=3, strategy=sdcguard_lightning.GuardedDDPStrategy(),
+                        accumulate_grad_batches=2, gradient_clip_val=1.0, callbacks=[ModelCheckpoint(save_last=True)])
+    trainer.fit(model, datamodule=data)  # raises sdcguard.SDCDetected on every rank when a check fires
+
+:class:`GuardedDDPStrategy` is Lightning's ``DDPStrategy`` with each optimizer step run as one
+``guard.step`` of the step API (``sdcguard.step``): ``training_step`` is the forward sdcguard
+records (micro-batch, forward RNG seed, buffers), Lightning's backward of ``loss / N`` is the
+backward it replays, and the optimizer step checks before it updates.
+
+The crux is Lightning's automatic optimization: it calls ``optimizer.step(closure)`` and the last
+micro-batch's forward and backward run *inside* that call, after torch's step pre-hooks, where
+sdcguard's update gate refuses an unchecked update. The strategy therefore runs the closure first,
+then ``s.check()`` (checks 1 and 4, and on audit steps 2 and 3), then hands Lightning's precision
+plugin a closure that returns the result already computed: ``on_before_optimizer_step``, gradient
+clipping (``gradient_clip_val``) and the update then run in Lightning's order, and check 3 after.
+
+Checkpoints: every ``trainer.save_checkpoint`` (``ModelCheckpoint``, ``last.ckpt``) goes through
+``guard.save_checkpoint`` (check 3 first, a manifest beside the file, a file written again kept
+while an alarm may still name it); a checkpoint ``ModelCheckpoint`` rotates away is kept the same
+way. ``trainer.fit(ckpt_path=...)`` checks the file against its manifest before Lightning reads it
+and the loaded weights against its digest before the first step.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+
+from .. import checkpoint as ckpt
+from .. import recovery
+from ..checks.determinism import deterministic
+from ..checks.replay import Weighting, replaying
+from ..checks.rng import forward_seed, seeded
+from ..checks.weights import fingerprint_weights
+from ..config import Config
+from ..errors import ConfigurationError
+from ..fingerprint import fingerprint
+from ..guard import Guard
+from ..step import Step
+
+__all__ = ["GuardedDDPStrategy", "training_step_loss"]
+
+log = logging.getLogger("sdcguard")
+
+MODEL_KEY = "state_dict"
+"""Where a Lightning checkpoint holds the module's weights (what the manifest's digest covers)."""
+
+
+def training_step_loss(output: Any) -> torch.Tensor:
+    """The loss of a ``training_step`` output, as Lightning's automatic optimization reads it."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    raise TypeError("sdcguard: training_step must return the loss tensor or a dict with a 'loss' tensor "
+                    f"(got {type(output).__name__}); a step skipped by returning None cannot be checked")
+
+
+class GuardedDDPStrategy(DDPStrategy):
+    """Lightning's DDP with sdcguard's checks around every optimizer step (see the module docstring).
+
+    ``config``: sdcguard's settings (default ``Config.from_env()``: the ``SDCGUARD_*`` variables).
+    ``expect_step`` / ``expect_sha256``: for ``trainer.fit(ckpt_path=...)``, the alarm's
+    ``last_good_checkpoint_step`` / ``_sha256``: a file that holds anything else is refused.
+    ``reduce_hook`` / ``reduce_state``: your own DDP reduction (``Guard(reduce_hook=)``). Other
+    keyword arguments go to ``DDPStrategy``."""
+
+    strategy_name = "sdcguard_ddp"
+
+    def __init__(self, config: Config | None = None, *, expect_step: int | None = None,
+                 expect_sha256: str | None = None, reduce_hook: Any = None, reduce_state: Any = None,
+                 **ddp_kwargs: Any) -> None:
+        if ddp_kwargs.get("ddp_comm_hook") is not None:
+            raise ConfigurationError("sdcguard: give your DDP comm hook as GuardedDDPStrategy(reduce_hook=..., "
+                                     "reduce_state=...): sdcguard's recording hook wraps it")
+        if ddp_kwargs.get("model_averaging_period") is not None:
+            raise ConfigurationError("sdcguard: post-local SGD model averaging changes the weights outside the "
+                                     "checked step; it is not supported")
+        super().__init__(**ddp_kwargs)
+        # Settings.
+        self.sdc_config = config
+        self.expect_step = expect_step
+        self.expect_sha256 = expect_sha256
+        self.reduce_hook = reduce_hook
+        self.reduce_state = reduce_state
+        # State.
+        self.guard: Guard | None = None
+        """Built in ``setup`` once DDP wraps the module and the optimizer exists."""
+        self._step: Step | None = None
+        self._step_exit: contextlib.ExitStack | None = None
+        self._pending_loss: torch.Tensor | None = None
+        self._resumed: tuple[str, dict[str, Any]] | None = None
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != "fit":
+            return
+        module = self.lightning_module
+        if not module.automatic_optimization:
+            raise ConfigurationError("sdcguard: GuardedDDPStrategy checks Lightning's automatic optimization; "
+                                     "with automatic_optimization=False use the step API (sdcguard.Guard) in "
+                                     "your training_step")
+        if len(self.optimizers) != 1:
+            raise ConfigurationError(f"sdcguard: one optimizer per run is checked, configure_optimizers gave "
+                                     f"{len(self.optimizers)}")
+        optimizer = self.optimizers[0]
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ConfigurationError("sdcguard: LBFGS re-evaluates its closure inside optimizer.step(); "
+                                     "those passes cannot be checked before the update")
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        self.guard = Guard(self.model, optimizer, self._loss_fn, config=self.sdc_config, scaler=scaler,
+                           reduce_hook=self.reduce_hook, reduce_state=self.reduce_state)
+        if self._resumed is not None:
+            self._adopt_resumed(*self._resumed)
+
+    def _loss_fn(self, module: torch.nn.Module, micro: Any) -> torch.Tensor:
+        """sdcguard's ``loss_fn`` for replays: the module's own ``training_step`` on the recorded
+        ``(args, kwargs)``, in the precision plugin's forward context, with logging off."""
+        args, kwargs = micro
+        with self.precision_plugin.train_step_context(), _quiet(module):
+            return training_step_loss(module.training_step(*args, **kwargs))
+
+    # -- one optimizer step = one guard.step ---------------------------------------------------
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        guard = self.guard
+        if guard is None or not self.lightning_module.training:
+            return super().training_step(*args, **kwargs)
+        s = self._step if self._step is not None else self._open_step()
+        index = len(s.batches)
+        if index >= s.micro_batches:
+            raise RuntimeError(f"sdcguard: step {s.step} declared {s.micro_batches} micro-batches, Lightning ran "
+                               f"another training_step before the optimizer step (did optimizer_step skip "
+                               "optimizer.step(closure)?)")
+        guard.recording = s
+        try:
+            with deterministic(s.audit), seeded(forward_seed(guard.config.seed, s.step, guard.topology.rank, index),
+                                                guard.device):
+                output = super().training_step(*args, **kwargs)
+        finally:
+            guard.recording = None
+        loss = training_step_loss(output).detach()
+        s.batches.append((_detached(args), _detached(kwargs)))
+        if s.audit:
+            s.loss_fps.append(fingerprint(loss))
+        s.losses.append(loss)
+        self._pending_loss = loss
+        return output
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        s = self._step
+        if s is None or self.guard is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self._pending_loss is None or len(s.weighting) != len(s.batches) - 1:
+            raise RuntimeError(f"sdcguard: step {s.step}: a backward without its training_step")
+        self._pending_loss = None
+        # Lightning's automatic optimization backpropagates training_step's loss / accumulate_grad_batches.
+        s.weighting.append(Weighting("div", float(self.lightning_module.trainer.accumulate_grad_batches)))
+        with deterministic(s.audit):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self.guard is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        result = closure()  # the last micro-batch's training_step and backward (DDP reduces here)
+        s = self._step
+        if s is None:
+            raise RuntimeError("sdcguard: optimizer step without a training_step in this step")
+        try:
+            s.check()  # checks 1 and 4 (2 and 3 on audit steps): raise on every rank alike
+            output = super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+        except BaseException as exc:
+            self._close_step(exc)
+            raise
+        self._close_step(None)  # check 3 on weight-check steps
+        return output
+
+    def _open_step(self) -> Step:
+        assert self.guard is not None
+        trainer = self.lightning_module.trainer
+        s = self.guard.step(trainer.global_step, micro_batches=self._window(trainer))
+        s.__enter__()
+        self._step = s
+        return s
+
+    @staticmethod
+    def _window(trainer: Any) -> int:
+        """The micro-batches of the step starting now: ``accumulate_grad_batches``, fewer at the end of
+        an epoch (Lightning steps on an epoch's last batch)."""
+        accumulate = trainer.accumulate_grad_batches
+        batch_idx = trainer.fit_loop.epoch_loop.batch_idx
+        total = trainer.num_training_batches
+        if isinstance(total, int) and total > 0:
+            return max(1, min(accumulate, total - batch_idx))
+        return accumulate
+
+    def _close_step(self, failed: BaseException | None) -> None:
+        s, self._step, self._pending_loss = self._step, None, None
+        if s is not None:
+            s.__exit__(None if failed is None else type(failed), failed, None)
+
+    def on_exception(self, exception: BaseException) -> None:
+        if self._step is not None:  # a step cut short (e.g. training_step raised): close it unapplied
+            self._close_step(exception)
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        if self.guard is not None:
+            self.guard.close()
+        super().teardown()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Every rank: check 3, then rank 0 writes Lightning's checkpoint dict and its manifest."""
+        if self.guard is None:  # not fitting (e.g. trainer.save_checkpoint after fit): no check to run
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise ConfigurationError("sdcguard: storage_options are not supported; checkpoints are written with torch.save")
+        self.guard.save_checkpoint(os.fspath(filepath), state=checkpoint, model_key=MODEL_KEY)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """``ModelCheckpoint`` rotating a file away: when a later alarm may still name it as its
+        resume point it is kept under its kept name instead (``recovery.kept_path``), else removed
+        with its manifest and out of the history."""
+        guard = self.guard
+        if guard is None:
+            return super().remove_checkpoint(filepath)
+        path = os.fspath(filepath)
+        history = guard.history
+        floor = recovery.resume_floor(history)
+        entries = [c for c in history.checkpoints if c.path == path]
+        others = [c for c in history.checkpoints if c.path != path]
+        keep = [c for c in entries if guard.config.keep_resume_points and c.cross_checked
+                and (floor is None or c.step >= floor) and not any(o.step == c.step for o in others)]
+        kept_as = None
+        if self.is_global_zero:
+            if keep:
+                kept_as = ckpt._keep(keep[0])
+                if kept_as is not None:
+                    log.warning("sdcguard: %s held step %d, which a later alarm may still name as its resume point: "
+                                "kept as %s", path, keep[0].step, kept_as)
+            super().remove_checkpoint(filepath)
+            ckpt.manifest_path(path).unlink(missing_ok=True)
+        kept_as = self.broadcast(kept_as)  # every rank's history says where the entry went
+        entries_after = []
+        for c in history.checkpoints:
+            if c.path != path:
+                entries_after.append(c)
+            elif keep and c is keep[0] and kept_as is not None:
+                entries_after.append(dataclasses.replace(c, path=kept_as, kept_from=path))
+        history.checkpoints = entries_after
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Before Lightning reads ``ckpt_path``: its manifest (and the alarm's step and sha256 when
+        given) and its bytes; the loaded weights are checked against the manifest in ``setup``."""
+        path = os.path.realpath(os.fspath(checkpoint_path))  # save_last="link": the file it points to
+        manifest = ckpt.read_manifest(path, expect_step=self.expect_step, expect_sha256=self.expect_sha256)
+        actual = ckpt._sha256(Path(path))
+        if actual != manifest["sha256"]:
+            raise ckpt.CheckpointError(f"{path} was modified after it was verified: sha256 {actual} != "
+                                       f"manifest {manifest['sha256']}")
+        loaded = super().load_checkpoint(path, weights_only=weights_only)
+        if int(loaded.get("global_step", -1)) != int(manifest["step"]) + 1:
+            raise ckpt.CheckpointError(f"{path} holds global_step {loaded.get('global_step')}, its manifest says "
+                                       f"the update of step {manifest['step']} (global_step {int(manifest['step']) + 1})")
+        self._resumed = (path, manifest)
+        return loaded
+
+    def _adopt_resumed(self, path: str, manifest: dict[str, Any]) -> None:
+        """The run resumed from ``path``: its weights must be the manifest's, and its history is."""
+        guard = self.guard
+        assert guard is not None
+        found = fingerprint_weights(guard.named_parameters).digest.hex()
+        if found != manifest["weight_digest"]:
+            raise ckpt.CheckpointError(f"{path}: the weights Lightning loaded have digest {found}, its manifest "
+                                       f"says {manifest['weight_digest']}")
+        step = int(manifest["step"])
+        guard.history = ckpt.resumed_history(path, manifest)
+        guard.verifier.last_weights_digest = manifest["weight_digest"]
+        guard.gate.resumed_at(step)
+        self._resumed = None
+
+
+_NOT_SUPPORTED = {
+    "GuardedFSDPStrategy": "Lightning's FSDPStrategy is FSDP1 (FullyShardedDataParallel), which sdcguard does not "
+                           "check; use GuardedDDPStrategy, or FSDP2 (fully_shard) with the step API in your own loop",
+    "GuardedModelParallelStrategy": "ModelParallelStrategy (FSDP2 / tensor parallelism in configure_model) is not "
+                                    "checked by this integration yet; use fully_shard with the step API in your own loop",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NOT_SUPPORTED:
+        raise AttributeError(f"sdcguard.integrations.lightning has no {name}: {_NOT_SUPPORTED[name]}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@contextlib.contextmanager
+def _quiet(module: torch.nn.Module) -> Iterator[None]:
+    """During a replay of another rank's batch, ``self.log`` / ``self.log_dict`` do nothing (the
+    values are that rank's, and Lightning refuses logging from the optimizer step)."""
+    if not replaying():
+        yield
+        return
+    module.__dict__["log"] = module.__dict__["log_dict"] = _no_log
+    try:
+        yield
+    finally:
+        module.__dict__.pop("log", None)
+        module.__dict__.pop("log_dict", None)
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _detached(value: Any) -> Any:
+    """The recorded micro-batch: tensors detached (a replay must not reach this pass's graph)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_detached(v) for v in value)
+    return value
+

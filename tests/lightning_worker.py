@@ -1,0 +1,41 @@
+"""Runs examples/lightning's scripts one after another in one torchrun job (tests/test_integration_lightning.py).
+
+    torchrun --nproc_per_node=3 tests/lightning_worker.py PLAN.json
+
+PLAN is a list of ``{"script": "train.py" | "train_plain.py", "flags": [...]}``; each runs in this
+process as ``python SCRIPT FLAGS`` would (``runpy``), so one process launch (Lightning's import,
+the process group) serves many runs. What a run raises (``SDCDetected`` ...) is the script's
+result, recorded by its harness callback in its ``--out``; the next run starts once every rank is
+done with this one.
+"""
+import json
+import os
+import runpy
+import sys
+
+import torch.distributed as dist
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "lightning")
+
+
+def main() -> None:
+    with open(sys.argv[1]) as fh:
+        plan = json.load(fh)
+    outcomes = []
+    for run in plan:
+        script = os.path.join(EXAMPLE, run["script"])
+        sys.argv = [script, *run["flags"]]
+        try:
+            runpy.run_path(script, run_name="__main__")
+            outcomes.append(None)
+        except Exception as exc:  # noqa: BLE001 - the run's own outcome, recorded by its harness
+            outcomes.append(type(exc).__name__)
+        if dist.is_initialized():
+            dist.barrier()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    print(json.dumps({"rank": os.environ.get("RANK"), "outcomes": outcomes}))
+
+
+if __name__ == "__main__":
+    main()
