@@ -2,7 +2,9 @@
 
     torchrun --nproc_per_node=3 tests/lightning_worker.py PLAN.json
 
-PLAN is a list of ``{"script": "train.py" | "train_plain.py", "flags": [...]}``; each runs in this
+PLAN is a list of ``{"script": "train.py" | "train_plain.py", "flags": [...]}``, optionally with
+``"resume_as_alarmed": OUT`` (resume as the alarm of an earlier run in OUT says: its
+last_good_checkpoint, step and sha256); each runs in this
 process as ``python SCRIPT FLAGS`` would (``runpy``), so one process launch (Lightning's import,
 the process group) serves many runs. What a run raises (``SDCDetected`` ...) is the script's
 result, recorded by its harness callback in its ``--out``; the next run starts once every rank is
@@ -18,13 +20,22 @@ import torch.distributed as dist
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "lightning")
 
 
+def resume_flags(out: str | None) -> list[str]:
+    if out is None:
+        return []
+    with open(os.path.join(out, "result-rank0.json")) as fh:
+        [alarm] = json.load(fh)["alarms"]
+    return ["--resume", alarm["last_good_checkpoint"], "--expect-step", str(alarm["last_good_checkpoint_step"]),
+            "--expect-sha256", alarm["last_good_checkpoint_sha256"]]
+
+
 def main() -> None:
     with open(sys.argv[1]) as fh:
         plan = json.load(fh)
     outcomes = []
     for run in plan:
         script = os.path.join(EXAMPLE, run["script"])
-        sys.argv = [script, *run["flags"]]
+        sys.argv = [script, *run["flags"], *resume_flags(run.get("resume_as_alarmed"))]
         try:
             runpy.run_path(script, run_name="__main__")
             outcomes.append(None)

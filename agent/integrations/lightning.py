@@ -38,7 +38,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from .. import checkpoint as ckpt
 from .. import recovery
 from ..checks.determinism import deterministic
-from ..checks.replay import Weighting, replaying
+from ..buckets import settle_buckets
+from ..checks.replay import Weighting, _replay_mode, replaying
 from ..checks.rng import forward_seed, seeded
 from ..checks.weights import fingerprint_weights
 from ..config import Config
@@ -114,15 +115,36 @@ class GuardedDDPStrategy(DDPStrategy):
         if len(self.optimizers) != 1:
             raise ConfigurationError(f"sdcguard: one optimizer per run is checked, configure_optimizers gave "
                                      f"{len(self.optimizers)}")
-        optimizer = self.optimizers[0]
-        if isinstance(optimizer, torch.optim.LBFGS):
+        if isinstance(self.optimizers[0], torch.optim.LBFGS):
             raise ConfigurationError("sdcguard: LBFGS re-evaluates its closure inside optimizer.step(); "
                                      "those passes cannot be checked before the update")
+        if self._resumed is None:
+            self._build_guard()
+        # else at the first training_step: DDP's buckets are settled first (see _settle_then_build)
+
+    def _build_guard(self) -> None:
         scaler = getattr(self.precision_plugin, "scaler", None)
-        self.guard = Guard(self.model, optimizer, self._loss_fn, config=self.sdc_config, scaler=scaler,
+        self.guard = Guard(self.model, self.optimizers[0], self._loss_fn, config=self.sdc_config, scaler=scaler,
                            reduce_hook=self.reduce_hook, reduce_state=self.reduce_state)
         if self._resumed is not None:
             self._adopt_resumed(*self._resumed)
+
+    def _settle_then_build(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A resumed run: one throw-away pass through DDP on the first batch (``sdcguard.settle_buckets``,
+        outside any check, faults and logging off as in a replay) so that the first resumed step
+        reduces in the bucket layout the original run had by then; then the Guard."""
+        def through_ddp(model: torch.nn.Module, micro: Any) -> torch.Tensor:
+            with self.precision_plugin.train_step_context(), _quiet(self.lightning_module):
+                return training_step_loss(self._forward_redirection(model, self.lightning_module, "training_step",
+                                                                    *micro[0], **micro[1]))
+        ddp = self.model
+        sync, ddp.require_backward_grad_sync = ddp.require_backward_grad_sync, True  # also under no_sync
+        try:
+            with _replay_mode():
+                settle_buckets(ddp, through_ddp, (args, kwargs))
+        finally:
+            ddp.require_backward_grad_sync = sync
+        self._build_guard()
 
     def _loss_fn(self, module: torch.nn.Module, micro: Any) -> torch.Tensor:
         """sdcguard's ``loss_fn`` for replays: the module's own ``training_step`` on the recorded
@@ -134,6 +156,8 @@ class GuardedDDPStrategy(DDPStrategy):
     # -- one optimizer step = one guard.step ---------------------------------------------------
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.guard is None and self._resumed is not None and self.lightning_module.trainer.training:
+            self._settle_then_build(args, kwargs)
         guard = self.guard
         if guard is None or not self.lightning_module.training:
             return super().training_step(*args, **kwargs)
