@@ -19,8 +19,8 @@ holds step N and ``Config(checkpoint_every=save_steps)`` audits every saved step
 Checkpoints: every ``checkpoint-N`` folder is written only after check 3 passed, then gets
 ``sdcguard-trainer.json`` (every file's SHA-256, the weight digest of ``model.safetensors``, the
 step, what the run had verified). ``save_total_limit`` still rotates the folders, but never
-deletes one an alarm may still name as its resume point (``recovery.resume_floor``); a folder it
-deletes leaves the history, so no alarm names it. :func:`verify_folder` checks a folder offline.
+deletes one an alarm may still name as its resume point (for each check, the newest folder at or
+before the step it last cleared); a folder it deletes leaves the history, so no alarm names it. :func:`verify_folder` checks a folder offline.
 
 Accelerate (``accelerate`` 1.x), in your own loop::
 
@@ -292,9 +292,7 @@ def _rotate(guard: Guard, run_dir: str, limit: int | None, best: str | None, wri
     history = guard.history
     deleted: list[str] = []
     if guard.topology.rank == 0 and writer and limit is not None and limit > 0:
-        floor = recovery.resume_floor(history)
-        needed = {os.path.normpath(c.path) for c in history.checkpoints
-                  if c.cross_checked and (floor is None or c.step >= floor)}
+        needed = {os.path.normpath(c.path) for c in _nameable(history)}
         folders = [os.path.normpath(f) for f in sort_checkpoints(run_dir, use_mtime=False, best_model_checkpoint=best)]
         protected = (set(folders[-1:]) | needed | ({os.path.normpath(best)} if best else set())) & set(folders)
         remaining = len(folders)
@@ -306,12 +304,25 @@ def _rotate(guard: Guard, run_dir: str, limit: int | None, best: str | None, wri
                 deleted.append(folder)
                 remaining -= 1
         if remaining > limit:
-            log.info("sdcguard: %d checkpoint folders kept (save_total_limit=%d): a later alarm may still name %s",
-                     remaining, limit, sorted(needed - set(folders[-1:])))
+            log.warning("sdcguard: %d checkpoint folders kept (save_total_limit=%d): a later alarm may still name %s",
+                        remaining, limit, sorted(needed - set(folders[-1:])))
     if not guard.solo:
         deleted = broadcast_json(deleted if guard.topology.rank == 0 else None, 0, guard.device, guard.group)
     gone = set(deleted)
     return replace(history, checkpoints=[c for c in history.checkpoints if os.path.normpath(c.path) not in gone])
+
+
+def _nameable(history: recovery.History) -> list[recovery.Checkpoint]:
+    """The checkpoints a later alarm can name besides the newest: for each check, the newest
+    cross-checked one at or before the step it last cleared (its window starts after that step;
+    a later pass only moves the window on, to this checkpoint or a newer one)."""
+    named = []
+    for cleared in (history.last_audited_step, history.last_weights_verified_step,
+                    history.last_reduction_verified_step):
+        older = [c for c in history.checkpoints if cleared is not None and c.step <= cleared and c.cross_checked]
+        if older:
+            named.append(max(older, key=lambda c: c.step))
+    return named
 
 
 def verify_folder(path: str | os.PathLike[str], *, expect_step: int | None = None,

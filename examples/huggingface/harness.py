@@ -103,8 +103,9 @@ class Harness(TrainerCallback):
         self.data["checkpoints"].append(state.global_step)
 
     @contextlib.contextmanager
-    def run(self, trainer: Any) -> Iterator[None]:
-        """Record what training raises (an alarm stops every rank alike), then the final state."""
+    def run(self, trainer: Any, teardown: bool = True) -> Iterator[None]:
+        """Record what training raises (an alarm stops every rank alike), then the final state;
+        ``teardown``: end the process group (the tests' worker runs several trainings in one)."""
         if self.injector.faults:
             if not hasattr(trainer, "sdcguard_reduce_hook"):
                 raise SystemExit("train_plain.py plants no faults: --inject is for train.py")
@@ -128,7 +129,7 @@ class Harness(TrainerCallback):
         self.data["fired"] = self.injector.fired
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self.data, indent=1, sort_keys=True, default=str))
-        if dist.is_initialized():
+        if teardown and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
 

@@ -1,0 +1,178 @@
+"""sdcguard.integrations.huggingface under torchrun (gloo, CPU), with the real transformers.Trainer
+and Accelerate.
+
+  clean / plain  examples/huggingface/train.py and train_plain.py, 2 ranks, 8 steps, accumulation 2,
+                 clipping, cosine schedule, checkpoint-N every 4 steps with save_total_limit=1:
+                 the same weights after every step, the same losses and gradient norms;
+                 checkpoint-8 carries a manifest, checkpoint-4 was rotated out (~15-20 s each).
+  matrix (slow)  tests/huggingface_worker.py, 3 ranks, one job: each of the nine fault kinds in
+                 its own short Trainer run; a run saving every step under save_total_limit=1 while
+                 audits run every 3 steps and a fault's window reaches back past the newest
+                 folders; a plain Accelerate loop, the same loop through accelerate_guard, and
+                 that loop with a fault (~30-60 s).
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sdcguard.checkpoint import CheckpointError
+from sdcguard.faults.spec import KINDS
+
+pytestmark = pytest.mark.multiprocess
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "huggingface"
+COMMON = ["--steps", "8", "--accum", "2", "--audit-every", "4", "--weight-check-every", "2",
+          "--save-steps", "4", "--save-total-limit", "1", "--max-grad-norm", "0.5"]
+
+
+def torchrun(ranks, script, *argv, spool=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONSAFEPATH": "1"}
+    for var in [v for v in env if v.startswith("SDCGUARD_")]:
+        env.pop(var)  # the flags decide
+    if spool is not None:
+        env["SDCGUARD_SPOOL"] = str(spool)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc_per_node={ranks}", str(script), *map(str, argv)],
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return proc
+
+
+def results(out, ranks):
+    return [json.loads((out / f"result-rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def alarms(spool):
+    return [json.loads(p.read_text()) for p in sorted(Path(spool).glob("*.alarm.json"))]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    out = tmp_path_factory.mktemp("clean")
+    torchrun(2, EXAMPLE / "train.py", "--out", out, *COMMON, spool=out / "spool")
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plain")
+    torchrun(2, EXAMPLE / "train_plain.py", "--out", out, *COMMON)
+    return out
+
+
+def test_clean_trainer_run_is_bitwise_the_plain_trainer_run(clean, plain):
+    guarded, unguarded = results(clean, 2), results(plain, 2)
+    for g, u in zip(guarded, unguarded):
+        assert (g["alarms"], g["errors"], g["final_step"]) == ([], [], 8)
+        assert len(g["weights"]) == 8 and g["weights"] == u["weights"]  # every step's weights, bit for bit
+        assert g["losses"] == u["losses"] and g["grad_norms"] == u["grad_norms"]
+        assert g["weights_digest"] == u["weights_digest"]
+    assert guarded[0]["weights"] == guarded[1]["weights"]
+    assert alarms(clean / "spool") == []
+    stats = json.loads((clean / "spool" / "stats" / "rank-0.json").read_text())
+    assert stats["checks"]["replay"]["runs"] == 2  # audits at 4 and 8 ran: the checks were not skipped
+    assert stats["checks"]["weights"]["runs"] >= 4 and stats["last_verified_step"] == 8
+
+
+def test_checkpoint_folders_carry_manifests_and_rotate(clean, plain, tmp_path):
+    from sdcguard.integrations.huggingface import MANIFEST_NAME, verify_folder
+
+    assert not (clean / "checkpoint-4").exists()  # save_total_limit=1: no alarm could name it after step 8
+    manifest = verify_folder(clean / "checkpoint-8", expect_step=8)
+    assert manifest["audited"] and manifest["audited_step"] == 8
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json",
+            "rng_state_0.pth", "rng_state_1.pth"} <= set(manifest["files"])
+    assert not (plain / "checkpoint-8" / MANIFEST_NAME).exists()
+    # the folder's bytes are the plain run's, except what records the run itself
+    for name in ("model.safetensors", "optimizer.pt", "scheduler.pt"):
+        assert (clean / "checkpoint-8" / name).read_bytes() == (plain / "checkpoint-8" / name).read_bytes()
+    tampered = tmp_path / "checkpoint-8"
+    shutil.copytree(clean / "checkpoint-8", tampered)
+    data = bytearray((tampered / "optimizer.pt").read_bytes())
+    data[-100] ^= 1
+    (tampered / "optimizer.pt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="optimizer.pt: modified"):
+        verify_folder(tampered)
+    with pytest.raises(CheckpointError, match="not step 4"):
+        verify_folder(clean / "checkpoint-8", expect_step=4)
+
+
+# -- the slow job: every fault kind, rotation under an alarm, Accelerate -------------------------
+
+RANKS = 3
+FAULT_FLAGS = ["--steps", "4", "--audit-every", "2", "--weight-check-every", "1", "--save-steps", "100"]
+# kind -> (the fault, the step it is caught at, the rank it must name)
+MATRIX = {
+    "forward-nan": ("forward-nan:rank=0:step=2", 2, [0]),
+    "forward-scale": ("forward-scale:rank=1:step=2", 2, [1]),
+    "grad-inf": ("grad-inf:rank=2:step=2", 2, [2]),
+    "grad-bitflip": ("grad-bitflip:rank=1:step=2", 2, [1]),
+    "reduce-nan": ("reduce-nan:step=2", 2, []),       # the all-reduce's: every replica got the same sum
+    "reduce-scale": ("reduce-scale:step=2", 2, []),
+    "optimizer-scale": ("optimizer-scale:rank=2:step=2", 2, [2]),
+    "weight-bitflip": ("weight-bitflip:rank=0:step=3", 3, [0]),
+    "weight-swap": ("weight-swap:rank=1:step=3", 3, [1]),
+}
+ROTATION = ["--steps", "7", "--audit-every", "3", "--weight-check-every", "1", "--save-steps", "1",
+            "--save-total-limit", "1", "--inject", "grad-bitflip:rank=1:step=6"]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hfjob")
+    plan = [{"name": kind, "kind": "trainer", "flags": [*FAULT_FLAGS, "--inject", spec]}
+            for kind, (spec, _, _) in MATRIX.items()]
+    plan.append({"name": "rotation", "kind": "trainer", "flags": ROTATION, "config": {"audit_checkpoints": False}})
+    plan += [{"name": "acc-plain", "kind": "accelerate", "guarded": False},
+             {"name": "acc-guarded", "kind": "accelerate", "guarded": True},
+             {"name": "acc-fault", "kind": "accelerate", "guarded": True, "inject": ["grad-bitflip:rank=2:step=4"]}]
+    (out / "plan.json").write_text(json.dumps(plan))
+    torchrun(RANKS, ROOT / "tests" / "huggingface_worker.py", out, out / "plan.json")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(MATRIX))
+def test_every_fault_kind_is_caught_by_its_check_naming_the_rank(job, kind):
+    _, step, named = MATRIX[kind]
+    expected = (KINDS[kind].caught_by, step, named)
+    ranks = results(job / kind, RANKS)
+    for r in ranks:  # every rank stopped on the same alarm, in the step that raised it: none hung
+        assert [(a["check"], a["step"], a["suspect_ranks"]) for a in r["alarms"]] == [expected], r["errors"]
+        assert r["final_step"] == step - 1
+    for rank in named:  # the fault did strike there (and a reduce fault struck every rank)
+        assert [f["step"] for f in ranks[rank]["fired"]] == [step]
+    [alarm] = alarms(job / kind / "spool")
+    assert (alarm["check"], alarm["step"], alarm["suspect_ranks"]) == expected
+
+
+@pytest.mark.slow
+def test_an_alarm_names_a_folder_that_still_holds_its_step(job):
+    from sdcguard.integrations.huggingface import verify_folder
+
+    out = job / "rotation"
+    [alarm] = alarms(out / "spool")
+    assert (alarm["check"], alarm["step"], alarm["suspect_ranks"]) == ("replay", 6, [1])
+    assert alarm["suspect_window"] == {"first_step": 4, "last_step": 6}  # after the audit at 3
+    # save_total_limit=1 would have deleted checkpoint-3 at step 4; it was spared as the replay
+    # check's resume point, every other older folder rotated out
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-5"]
+    assert alarm["last_good_checkpoint"] == str(out / "checkpoint-3")
+    assert (alarm["last_good_checkpoint_step"], alarm["steps_at_risk"]) == (3, 3)
+    verify_folder(alarm["last_good_checkpoint"], expect_step=3, expect_sha256=alarm["last_good_checkpoint_sha256"])
+
+
+@pytest.mark.slow
+def test_accelerate_loop_is_bitwise_the_plain_one_and_catches_a_fault(job):
+    plain, guarded, faulted = (results(job / n, RANKS) for n in ("acc-plain", "acc-guarded", "acc-fault"))
+    for p, g, f in zip(plain, guarded, faulted):
+        assert len(p["weights"]) == 6 and g["weights"] == p["weights"] and g["losses"] == p["losses"]
+        assert g["alarms"] == []
+        assert [(a["check"], a["step"], a["suspect_ranks"]) for a in f["alarms"]] == [("replay", 4, [2])]
+        assert f["weights"] == {k: v for k, v in p["weights"].items() if int(k) < 4}
+    assert len(alarms(job / "acc-fault" / "spool")) == 1
