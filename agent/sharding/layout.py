@@ -119,13 +119,18 @@ def plan_checks(layout: ShardLayout, *, reduce_scatter_checked: bool, all_reduce
 
 def param_groups(model: torch.nn.Module) -> Iterator[tuple[str, Any, Any]]:
     """``(module path, FSDP module, its FSDPParamGroup)`` of every ``fully_shard`` call that holds
-    parameters, in module order (the same on every rank)."""
+    parameters, in module order (the same on every rank). A call on a list of modules (torchtitan's
+    ``fully_shard([model.norm, model.lm_head])``) makes each of them an FSDP module sharing one
+    state: its group counts once, under the first module's path."""
     from torch.distributed.fsdp import FSDPModule
 
+    seen: set[int] = set()
     for path, module in model.named_modules():
         if isinstance(module, FSDPModule):
             for group in module._get_fsdp_state()._fsdp_param_groups:
-                yield path, module, group
+                if id(group) not in seen:
+                    seen.add(id(group))
+                    yield path, module, group
 
 
 def read_layout(model: torch.nn.Module) -> ShardLayout:
