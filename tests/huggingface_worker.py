@@ -1,5 +1,6 @@
 """One torchrun job, several short runs in turn (start-up is paid once): for each fault kind a
-transformers.Trainer run of examples/huggingface with that fault planted; a run whose
+transformers.Trainer run of examples/huggingface with that fault planted; a bfloat16 run with and
+without sdcguard; a run whose
 checkpoint-N folders rotate under save_total_limit=1 while a fault's window reaches back past
 the newest folders; and a plain Accelerate loop against the same loop through accelerate_guard,
 then with a fault. Each run writes OUT/<name>/result-rank<R>.json (see examples/huggingface/harness.py).
@@ -18,7 +19,7 @@ sys.path.insert(0, str(EXAMPLE))
 import sdcguard  # noqa: E402
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
-from transformers import TrainingArguments, get_cosine_schedule_with_warmup  # noqa: E402
+from transformers import Trainer, TrainingArguments, get_cosine_schedule_with_warmup  # noqa: E402
 
 from harness import PARAM, SITE, Harness, TokenData, build_model, parse_args  # noqa: E402
 from sdcguard.faults import FaultInjector, parse_fault  # noqa: E402
@@ -26,8 +27,9 @@ from sdcguard.fingerprint import digest, fingerprint  # noqa: E402
 from sdcguard.integrations.huggingface import SdcguardTrainer, accelerate_guard  # noqa: E402
 
 
-def trainer_run(out: Path, flags: list[str], extra: dict) -> None:
-    """examples/huggingface/train.py's run, in-process (the process group stays up)."""
+def trainer_run(out: Path, flags: list[str], extra: dict, guarded: bool = True) -> None:
+    """examples/huggingface/train.py's run (train_plain.py's without ``guarded``), in-process
+    (the process group stays up)."""
     args = parse_args(["--out", str(out), *flags])
     harness = Harness(args)
     training_args = TrainingArguments(
@@ -39,8 +41,8 @@ def trainer_run(out: Path, flags: list[str], extra: dict) -> None:
     )
     config = sdcguard.Config.from_env(audit_every=args.audit_every, weight_check_every=args.weight_check_every,
                                       spool=str(out / "spool"), **extra)
-    trainer = SdcguardTrainer(model=build_model(args), args=training_args, train_dataset=TokenData(args),
-                              callbacks=[harness], sdcguard_config=config)
+    common = {"model": build_model(args), "args": training_args, "train_dataset": TokenData(args), "callbacks": [harness]}
+    trainer = SdcguardTrainer(**common, sdcguard_config=config) if guarded else Trainer(**common)
     with harness.run(trainer, teardown=False):
         trainer.train()
 
@@ -107,7 +109,7 @@ def main() -> None:
     for run in plan:
         where = out / run["name"]
         if run["kind"] == "trainer":
-            trainer_run(where, run["flags"], run.get("config", {}))
+            trainer_run(where, run["flags"], run.get("config", {}), run.get("guarded", True))
         else:
             accelerate_run(where, run["guarded"], run.get("inject", []))
     import torch.distributed as dist

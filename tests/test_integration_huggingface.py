@@ -6,7 +6,7 @@ and Accelerate.
                  the same weights after every step, the same losses and gradient norms;
                  checkpoint-8 carries a manifest, checkpoint-4 was rotated out (~15-20 s each).
   matrix (slow)  tests/huggingface_worker.py, 3 ranks, one job: each of the nine fault kinds in
-                 its own short Trainer run; a run saving every step under save_total_limit=1 while
+                 its own short Trainer run; bfloat16 autocast with and without sdcguard; a run saving every step under save_total_limit=1 while
                  audits run every 3 steps and a fault's window reaches back past the newest
                  folders; a plain Accelerate loop, the same loop through accelerate_guard, and
                  that loop with a fault (~30-60 s).
@@ -128,6 +128,9 @@ def job(tmp_path_factory):
     plan = [{"name": kind, "kind": "trainer", "flags": [*FAULT_FLAGS, "--inject", spec]}
             for kind, (spec, _, _) in MATRIX.items()]
     plan.append({"name": "rotation", "kind": "trainer", "flags": ROTATION, "config": {"audit_checkpoints": False}})
+    bf16 = ["--bf16", "--steps", "4", "--audit-every", "2", "--weight-check-every", "1", "--save-steps", "100"]
+    plan += [{"name": "bf16", "kind": "trainer", "flags": bf16}, {"name": "bf16-plain", "kind": "trainer", "flags": bf16,
+                                                                    "guarded": False}]
     plan += [{"name": "acc-plain", "kind": "accelerate", "guarded": False},
              {"name": "acc-guarded", "kind": "accelerate", "guarded": True},
              {"name": "acc-fault", "kind": "accelerate", "guarded": True, "inject": ["grad-bitflip:rank=2:step=4"]}]
@@ -165,6 +168,16 @@ def test_an_alarm_names_a_folder_that_still_holds_its_step(job):
     assert alarm["last_good_checkpoint"] == str(out / "checkpoint-3")
     assert (alarm["last_good_checkpoint_step"], alarm["steps_at_risk"]) == (3, 3)
     verify_folder(alarm["last_good_checkpoint"], expect_step=3, expect_sha256=alarm["last_good_checkpoint_sha256"])
+
+
+@pytest.mark.slow
+def test_bf16_autocast_run_is_bitwise_the_plain_one_with_audits(job):
+    # Accelerate puts the autocast on the module's own forward: the replays run it too
+    for g, p in zip(results(job / "bf16", RANKS), results(job / "bf16-plain", RANKS)):
+        assert (g["alarms"], g["errors"], g["final_step"]) == ([], [], 4)
+        assert g["weights"] == p["weights"] and g["losses"] == p["losses"]
+    stats = json.loads((job / "bf16" / "spool" / "stats" / "rank-1.json").read_text())
+    assert stats["checks"]["replay"]["runs"] == 2 and stats["last_verified_step"] == 4
 
 
 @pytest.mark.slow
