@@ -4,7 +4,8 @@
 
 PLAN is a list of ``{"script": "train.py" | "train_plain.py", "flags": [...]}``, optionally with
 ``"resume_as_alarmed": OUT`` (resume as the alarm of an earlier run in OUT says: its
-last_good_checkpoint, step and sha256); each runs in this
+last_good_checkpoint, step and sha256); its alarms and statistics go to the spool ``OUT/spool``
+(``--out``'s value). Each runs in this
 process as ``python SCRIPT FLAGS`` would (``runpy``), so one process launch (Lightning's import,
 the process group) serves many runs. What a run raises (``SDCDetected`` ...) is the script's
 result, recorded by its harness callback in its ``--out``; the next run starts once every rank is
@@ -35,7 +36,9 @@ def main() -> None:
     outcomes = []
     for run in plan:
         script = os.path.join(EXAMPLE, run["script"])
-        sys.argv = [script, *run["flags"], *resume_flags(run.get("resume_as_alarmed"))]
+        flags = run["flags"]
+        os.environ["SDCGUARD_SPOOL"] = os.path.join(flags[flags.index("--out") + 1], "spool")
+        sys.argv = [script, *flags, *resume_flags(run.get("resume_as_alarmed"))]
         try:
             runpy.run_path(script, run_name="__main__")
             outcomes.append(None)

@@ -1,8 +1,9 @@
 """sdcguard's checks inside a PyTorch Lightning 2.6 run: one strategy, the user's module unchanged.
 
-    import sdcguard.integrations.lightning as sdcguard_lightning
-    trainer = L.Trainer(accelerator="cpu", devices=3, strategy=sdcguard_lightning.GuardedDDPStrategy(),
-                        accumulate_grad_batches=2, gradient_clip_val=1.0, callbacks=[ModelCheckpoint(save_last=True)])
+    import sdcguard.integrations.lightning
+    strategy = sdcguard.integrations.lightning.GuardedDDPStrategy(sdcguard.Config.from_env(audit_every=100))
+    trainer = L.Trainer(accelerator="cpu", devices=3, strategy=strategy, accumulate_grad_batches=2,
+                        gradient_clip_val=1.0, callbacks=[ModelCheckpoint(save_last=True)])
     trainer.fit(model, datamodule=data)  # raises sdcguard.SDCDetected on every rank when a check fires
 
 :class:`GuardedDDPStrategy` is Lightning's ``DDPStrategy`` with each optimizer step run as one
@@ -48,7 +49,7 @@ from ..fingerprint import fingerprint
 from ..guard import Guard
 from ..step import Step
 
-__all__ = ["GuardedDDPStrategy", "training_step_loss"]
+__all__ = ["GuardedDDPStrategy", "GuardedFSDPStrategy", "GuardedModelParallelStrategy", "training_step_loss"]
 
 log = logging.getLogger("sdcguard")
 
@@ -317,18 +318,23 @@ class GuardedDDPStrategy(DDPStrategy):
         self._resumed = None
 
 
-_NOT_SUPPORTED = {
-    "GuardedFSDPStrategy": "Lightning's FSDPStrategy is FSDP1 (FullyShardedDataParallel), which sdcguard does not "
-                           "check; use GuardedDDPStrategy, or FSDP2 (fully_shard) with the step API in your own loop",
-    "GuardedModelParallelStrategy": "ModelParallelStrategy (FSDP2 / tensor parallelism in configure_model) is not "
-                                    "checked by this integration yet; use fully_shard with the step API in your own loop",
-}
+class GuardedFSDPStrategy:
+    """Not supported: Lightning's ``FSDPStrategy`` is FSDP1; constructing this says what to use instead."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise ConfigurationError("sdcguard: Lightning's FSDPStrategy is FSDP1 (FullyShardedDataParallel), which "
+                                 "sdcguard does not check; use GuardedDDPStrategy, or FSDP2 (fully_shard) with the "
+                                 "step API (sdcguard.Guard) in your own loop")
 
 
-def __getattr__(name: str) -> Any:
-    if name in _NOT_SUPPORTED:
-        raise AttributeError(f"sdcguard.integrations.lightning has no {name}: {_NOT_SUPPORTED[name]}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+class GuardedModelParallelStrategy:
+    """Not supported yet: Lightning's ``ModelParallelStrategy`` (FSDP2 / tensor parallelism in
+    ``configure_model``); constructing this says what to use instead."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise ConfigurationError("sdcguard: ModelParallelStrategy (FSDP2 / tensor parallelism in configure_model) "
+                                 "is not checked by this integration yet; use fully_shard with the step API "
+                                 "(sdcguard.Guard) in your own loop")
 
 
 @contextlib.contextmanager

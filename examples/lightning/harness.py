@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 
 from sdcguard.faults import FaultInjector, parse_fault
 from sdcguard.fingerprint import digest, fingerprint
@@ -29,6 +28,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--lr", type=float, default=1e-2)
     add("--seed", type=int, default=7, help="model initialisation seed (the same on every rank)")
     add("--out", default="out-lightning", help="checkpoints and per-rank result files")
+    add("--save-last", action=argparse.BooleanOptionalAction, default=True,
+        help="ModelCheckpoint(save_last=...): last.ckpt beside the newest epoch checkpoint")
     add("--resume", metavar="PATH", help="trainer.fit(ckpt_path=PATH)")
     add("--expect-step", type=int, help="sdcguard: resume only if --resume holds this step (the alarm's last_good_checkpoint_step)")
     add("--expect-sha256", help="sdcguard: resume only if --resume has these bytes (the alarm's last_good_checkpoint_sha256)")

@@ -27,7 +27,7 @@ torch.set_num_threads(1)  # the same thread count on every rank: identical arith
 L.seed_everything(args.seed)  # the same initial weights on every rank
 model = TinyClassifier(lr=args.lr)
 data = RandomData(args.samples, args.batch_size)
-checkpoints = ModelCheckpoint(dirpath=os.path.join(args.out, "checkpoints"), save_last=True)
+checkpoints = ModelCheckpoint(dirpath=os.path.join(args.out, "checkpoints"), save_last=args.save_last)
 config = sdcguard.Config.from_env(audit_every=args.audit_every, weight_check_every=args.weight_check_every)
 trainer = L.Trainer(
     accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
