@@ -1,0 +1,129 @@
+"""sdcguard.integrations.torchtitan under torchrun: torchtitan 0.3.0's own Trainer (a tiny llama3,
+in-code tokenizer and random-token data; examples/torchtitan/) on 4 CPU ranks over gloo, HSDP
+(data_parallel_replicate_degree=2 x data_parallel_shard_degree=2), 2 micro-batches per step,
+torchtitan's clipping, AdamW and LR schedule.
+
+  - clean: examples/torchtitan/train.py (GuardedTrainer) against train_plain.py (torchtitan's
+    Trainer), started together: every rank's final shards and every step's loss bit-identical,
+    checks 1, 2 and 3 ran and passed, and check 3 ran before the checkpoints torchtitan wrote;
+  - faults (slow): every kind of sdcguard.faults.spec planted in a run, each caught by its check
+    naming its rank (weights faults: 2 replicas, both named, ambiguous), or — reduce-scale — the
+    escape this integration documents (torchtitan sums its gradients: check 4 is off);
+  - a mesh sdcguard cannot check (replicate only, shard 1) refused at start-up with the reason (slow).
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchtitan")
+pytestmark = pytest.mark.multiprocess
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "torchtitan"
+HSDP = ["--replicate", "2", "--shard", "2", "--accum", "2"]
+
+
+def _start(script, out, ranks, *flags):
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONSAFEPATH": "1", "SDCGUARD_SPOOL": str(out / "spool")}
+    for var in ("SDCGUARD_AUDIT_EVERY", "SDCGUARD_WEIGHT_CHECK_EVERY"):
+        env.pop(var, None)  # the flags decide
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+         str(EXAMPLES / script), "--out", str(out), *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _finish(out, proc, ranks, ok=True):
+    try:
+        output, _ = proc.communicate(timeout=400)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+    if ok:
+        assert proc.returncode == 0, output[-8000:]
+    results = [json.loads(p.read_text()) for r in range(ranks) if (p := out / f"result-rank{r}.json").exists()]
+    alarms = [json.loads(p.read_text()) for p in sorted((out / "spool").glob("*.alarm.json"))]
+    return {"results": results, "alarms": alarms, "output": output, "returncode": proc.returncode}
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    root = tmp_path_factory.mktemp("titan")
+    flags = [*HSDP, "--steps", "6", "--audit-every", "3", "--weight-check-every", "2", "--checkpoint-every", "3"]
+    procs = {"guarded": _start("train.py", root / "guarded", 4, *flags),
+             "plain": _start("train_plain.py", root / "plain", 4, *flags)}
+    runs = {name: _finish(root / name, proc, 4) for name, proc in procs.items()}
+    runs["root"] = root
+    return runs
+
+
+def test_clean_run_is_bit_identical_to_torchtitan_without_sdcguard(clean):
+    guarded, plain = clean["guarded"]["results"], clean["plain"]["results"]
+    assert len(guarded) == len(plain) == 4
+    for g, p in zip(guarded, plain):
+        assert (g["error"], g["alarms"], g["step"]) == (None, [], 6)
+        assert g["weights_digest"] == p["weights_digest"]  # this rank's shards after 6 updates
+        assert g["losses"] == p["losses"] and len(g["losses"]) == 6
+    # rank (i, j) holds shard j of replica i
+    digests = [g["weights_digest"] for g in guarded]
+    assert digests[0] == digests[2] and digests[1] == digests[3] and digests[0] != digests[1]
+    assert clean["guarded"]["alarms"] == []
+
+
+def test_every_check_ran_on_torchtitans_mesh_and_before_its_checkpoints(clean):
+    for g in clean["guarded"]["results"]:
+        assert (g["last_audited"], g["last_weights_verified"]) == (6, 6)
+    plan = "\n".join(clean["guarded"]["results"][0]["plan"])
+    assert "HSDP 2 replicas x 2 shards" in plan
+    for check in ("nonfinite-local", "replay", "weights"):
+        assert f"runs {check}:" in plan
+    assert "does not run reduce-checksum (reduce-scatter)" in plan  # torchtitan sums: said at start-up
+    for run in ("guarded", "plain"):
+        folders = sorted(p.name for p in (clean["root"] / run / "checkpoint").iterdir())
+        assert folders == ["step-3", "step-6"]
+    assert "check 3 before torchtitan's checkpoint" not in clean["guarded"]["output"]
+
+
+COMPUTE = ["forward-nan:rank=2:step=1", "grad-inf:rank=1:step=2", "forward-scale:rank=3:step=3",
+           "grad-bitflip:rank=1:step=4", "reduce-nan:step=5", "reduce-scale:step=6:magnitude=1000"]
+
+
+@pytest.mark.slow
+def test_compute_and_reduction_faults_are_caught_by_their_check_naming_the_rank(tmp_path):
+    flags = [*HSDP, "--steps", "6", "--audit-every", "1", "--weight-check-every", "1", "--keep-going"]
+    for spec in COMPUTE:
+        flags += ["--inject", spec]
+    run = _finish(tmp_path, _start("train.py", tmp_path, 4, *flags), 4)
+    expected = [("nonfinite-local", 1, [2]), ("nonfinite-local", 2, [1]), ("replay", 3, [3]), ("replay", 4, [1]),
+                ("nonfinite-reduced", 5, [])]  # reduce-scale at 6: check 4 is off under torchtitan's sum
+    for r in run["results"]:
+        assert [(a["check"], a["step"], a["suspect_ranks"]) for a in r["alarms"]] == expected
+        assert [e["step"] for e in r["errors"]] == [1, 2, 3, 4, 5]
+    assert sorted((a["check"], a["step"], a["suspect_ranks"]) for a in run["alarms"]) == sorted(expected)
+    fired = {(f["kind"], f["step"]) for r in run["results"] for f in r["fired"]}
+    assert ("reduce-scale", 6) in fired  # it struck, and went unseen: the documented escape
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec,rank", [("optimizer-scale:rank=2:step=2", 2), ("weight-bitflip:rank=1:step=2", 1),
+                                       ("weight-swap:rank=3:step=2:element=3", 3)])
+def test_weight_faults_are_caught_by_check_3_naming_the_replicas(tmp_path, spec, rank):
+    flags = [*HSDP, "--steps", "2", "--audit-every", "0", "--weight-check-every", "1", "--inject", spec]
+    run = _finish(tmp_path, _start("train.py", tmp_path, 4, *flags), 4)
+    for r in run["results"]:
+        assert r["alarm"]["check"] == "weights" and r["alarm"]["step"] == 2 and r["step"] == 2
+        assert rank in r["alarm"]["suspect_ranks"]
+    # two replicas of each shard: no strict majority, so both holders of the shard are named
+    (alarm,) = run["alarms"]
+    assert alarm["ambiguous"] and sorted(alarm["suspect_ranks"]) == sorted({rank, (rank + 2) % 4})
+
+
+@pytest.mark.slow
+def test_a_replicate_only_mesh_is_refused_with_the_reason(tmp_path):
+    run = _finish(tmp_path, _start("train.py", tmp_path, 2, "--replicate", "2", "--shard", "1", "--steps", "1"),
+                  2, ok=False)
+    assert run["returncode"] != 0
+    assert "sdcguard cannot check this torchtitan job: data_parallel_shard_degree=1" in run["output"]
