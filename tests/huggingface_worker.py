@@ -44,7 +44,7 @@ def trainer_run(out: Path, flags: list[str], extra: dict, guarded: bool = True) 
     common = {"model": build_model(args), "args": training_args, "train_dataset": TokenData(args), "callbacks": [harness]}
     trainer = SdcguardTrainer(**common, sdcguard_config=config) if guarded else Trainer(**common)
     with harness.run(trainer, teardown=False):
-        trainer.train()
+        trainer.train(resume_from_checkpoint=args.resume)
 
 
 def accelerate_run(out: Path, guarded: bool, inject: list[str], steps: int = 6, accum: int = 2) -> None:

@@ -128,13 +128,15 @@ def job(tmp_path_factory):
     plan = [{"name": kind, "kind": "trainer", "flags": [*FAULT_FLAGS, "--inject", spec]}
             for kind, (spec, _, _) in MATRIX.items()]
     plan.append({"name": "rotation", "kind": "trainer", "flags": ROTATION, "config": {"audit_checkpoints": False}})
+    plan.append({"name": "resumed", "kind": "trainer", "config": {"audit_checkpoints": False},
+                 "flags": [*ROTATION[:-2], "--resume", out / "rotation" / "checkpoint-3"]})
     bf16 = ["--bf16", "--steps", "4", "--audit-every", "2", "--weight-check-every", "1", "--save-steps", "100"]
     plan += [{"name": "bf16", "kind": "trainer", "flags": bf16}, {"name": "bf16-plain", "kind": "trainer", "flags": bf16,
                                                                     "guarded": False}]
     plan += [{"name": "acc-plain", "kind": "accelerate", "guarded": False},
              {"name": "acc-guarded", "kind": "accelerate", "guarded": True},
              {"name": "acc-fault", "kind": "accelerate", "guarded": True, "inject": ["grad-bitflip:rank=2:step=4"]}]
-    (out / "plan.json").write_text(json.dumps(plan))
+    (out / "plan.json").write_text(json.dumps(plan, default=str))
     torchrun(RANKS, ROOT / "tests" / "huggingface_worker.py", out, out / "plan.json")
     return out
 
@@ -168,6 +170,21 @@ def test_an_alarm_names_a_folder_that_still_holds_its_step(job):
     assert alarm["last_good_checkpoint"] == str(out / "checkpoint-3")
     assert (alarm["last_good_checkpoint_step"], alarm["steps_at_risk"]) == (3, 3)
     verify_folder(alarm["last_good_checkpoint"], expect_step=3, expect_sha256=alarm["last_good_checkpoint_sha256"])
+
+
+@pytest.mark.slow
+def test_resuming_from_the_named_folder_inherits_its_history(job):
+    out = job / "resumed"
+    for r in results(out, RANKS):
+        assert (r["alarms"], r["errors"], r["final_step"]) == ([], [], 7)
+        assert sorted(int(k) for k in r["weights"]) == [4, 5, 6, 7]  # trained on from step 4
+    # the folder it resumed from (verified first) is in its history, as are its own folders that
+    # still exist: 4 and 5 rotated out once the audit at 6 passed
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-7"]
+    manifest = json.loads((out / "checkpoint-7" / "sdcguard-trainer.json").read_text())
+    assert [(c["step"], c["path"]) for c in manifest["earlier_checkpoints"]] == [
+        (3, str(job / "rotation" / "checkpoint-3")), (6, str(out / "checkpoint-6"))]
+    assert (manifest["step"], manifest["audited_step"]) == (7, 6)
 
 
 @pytest.mark.slow

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, sort_checkpoints
 
 from .. import checkpoint as file_checkpoint
 from .. import recovery
@@ -113,6 +113,7 @@ class SdcguardTrainer(Trainer):
         self.sdcguard_reduce_state = sdcguard_reduce_state
         self.guard: Guard | None = None
         self._step: Step | None = None
+        self._resumed: tuple[str, dict[str, Any]] | None = None
         self.add_callback(SdcguardCallback(self))
 
     # -- the step ------------------------------------------------------------------------------
@@ -149,9 +150,19 @@ class SdcguardTrainer(Trainer):
         with self.compute_loss_context_manager():
             return self.compute_loss(module, dict(micro["inputs"]), num_items_in_batch=micro["num_items_in_batch"])
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; a ``checkpoint-N`` folder to resume from is verified against its
+        manifest first (``CheckpointError`` on every rank, before the Trainer reads it), and the
+        run inherits what it had verified, so an alarm can name a folder from before it."""
+        if resume_from_checkpoint:
+            folder = (get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True
+                      else os.fspath(resume_from_checkpoint))
+            if folder is not None and (Path(folder) / MANIFEST_NAME).is_file():
+                self._resumed = (folder, verify_folder(folder))
+            elif folder is not None:
+                log.warning("sdcguard: %s has no %s: resuming from a folder sdcguard did not verify", folder, MANIFEST_NAME)
         try:
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException as exc:
             self._end_step(exc)  # a step still open (an error between check and update) ends failed
             raise
@@ -173,6 +184,11 @@ class SdcguardTrainer(Trainer):
             self.guard = accelerate_guard(self.accelerator, model, self.optimizer, self.sdcguard_loss,
                                           config=self.sdcguard_config, reduce_hook=self.sdcguard_reduce_hook,
                                           reduce_state=self.sdcguard_reduce_state)
+            if self._resumed is not None:
+                folder, manifest = self._resumed
+                self.guard.history = _resumed_history(folder, manifest)
+                self.guard.verifier.last_weights_digest = manifest["weight_digest"]
+                self.guard.gate.resumed_at(int(manifest["step"]))
         return self.guard
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -323,6 +339,25 @@ def _nameable(history: recovery.History) -> list[recovery.Checkpoint]:
         if older:
             named.append(max(older, key=lambda c: c.step))
     return named
+
+
+def _resumed_history(folder: str, manifest: Mapping[str, Any]) -> recovery.History:
+    """What a run resumed from ``folder`` inherits (as ``checkpoint.resumed_history`` for files):
+    the verification its manifest recorded and the earlier folders that still hold their step."""
+    step, audited = int(manifest["step"]), manifest.get("audited_step")
+    earlier = [recovery.Checkpoint(int(c["step"]), str(c["path"]), c.get("audited_step"), c.get("sha256"))
+               for c in manifest.get("earlier_checkpoints") or [] if _still_holds(c)]
+    return recovery.History(last_audited_step=audited, last_weights_verified_step=step,
+                            last_reduction_verified_step=manifest.get("reduction_verified_step"),
+                            checkpoints=[*earlier, recovery.Checkpoint(step, folder, audited, manifest["sha256"])])
+
+
+def _still_holds(entry: Mapping[str, Any]) -> bool:
+    try:
+        verify_folder(entry["path"], expect_step=entry["step"], expect_sha256=entry.get("sha256"))
+        return True
+    except (file_checkpoint.CheckpointError, OSError, ValueError, KeyError):
+        return False
 
 
 def verify_folder(path: str | os.PathLike[str], *, expect_step: int | None = None,

@@ -39,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--bf16", action="store_true", help="bfloat16 autocast (CPU)")
     add("--seed", type=int, default=42)
     add("--out", default="out-hf", help="checkpoint folders and per-rank result files")
+    add("--resume", metavar="FOLDER", help="resume from this checkpoint-N folder (train.py verifies it first)")
     add("--audit-every", type=int, default=4, help="sdcguard: replay audit every N steps (SDCGUARD_* wins)")
     add("--weight-check-every", type=int, default=2, help="sdcguard: weight check every N steps")
     add("--inject", action="append", default=[], metavar="SPEC",

@@ -33,4 +33,4 @@ model, dataset = build_model(args), TokenData(args)
 config = sdcguard.Config.from_env(audit_every=args.audit_every, weight_check_every=args.weight_check_every)
 trainer = SdcguardTrainer(model=model, args=training_args, train_dataset=dataset, callbacks=[harness], sdcguard_config=config)
 with harness.run(trainer):
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume)

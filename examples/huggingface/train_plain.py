@@ -28,4 +28,4 @@ training_args = TrainingArguments(
 model, dataset = build_model(args), TokenData(args)
 trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=[harness])
 with harness.run(trainer):
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume)
