@@ -102,6 +102,31 @@ def test_checkpoint_folders_carry_manifests_and_rotate(clean, plain, tmp_path):
         verify_folder(clean / "checkpoint-8", expect_step=4)
 
 
+def test_accelerate_guard_takes_the_prepared_objects_and_refuses_accelerates_own_accumulation():
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from sdcguard import ConfigurationError
+    from sdcguard.integrations.huggingface import accelerate_guard
+
+    def loss_fn(module, batch):
+        return module(batch).sum()
+
+    try:
+        accelerator = Accelerator(cpu=True)
+        net = torch.nn.Linear(4, 2)
+        model, optimizer = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        guard = accelerate_guard(accelerator, model, optimizer, loss_fn)
+        assert guard.optimizer is optimizer.optimizer  # the torch optimizer the update gate hooks
+        AcceleratorState._reset_state(True)
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+        with pytest.raises(ConfigurationError, match="gradient_accumulation_steps=2"):
+            accelerate_guard(accelerator, model, optimizer, loss_fn)
+    finally:
+        AcceleratorState._reset_state(True)
+
+
 # -- the slow job: every fault kind, rotation under an alarm, Accelerate -------------------------
 
 RANKS = 3

@@ -249,8 +249,11 @@ def accelerate_guard(accelerator: Accelerator, model: torch.nn.Module, optimizer
     if kind not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
         raise ConfigurationError(f"sdcguard supports Accelerate's DDP (MULTI_GPU / MULTI_CPU) and a single process, "
                                  f"not {kind}: FSDP, DeepSpeed and Megatron are not supported yet")
-    if accelerator.gradient_accumulation_steps != 1 and accelerator.gradient_state.plugin_kwargs.get("sync_each_batch"):
-        raise ConfigurationError("sdcguard: sync_each_batch reduces every micro-batch; the step API reduces the last one")
+    if accelerator.gradient_accumulation_steps != 1:
+        raise ConfigurationError(
+            f"sdcguard: Accelerator(gradient_accumulation_steps={accelerator.gradient_accumulation_steps}) divides "
+            "inside accelerator.backward and skips optimizer.step() between syncs; leave it at 1 and declare "
+            "guard.step(step, micro_batches=N) with s.backward(micro, divide_by=N) instead")
     inner = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer wraps the torch optimizer
     return Guard(model, inner, loss_fn, config=config, scaler=accelerator.scaler, **guard_kwargs)
 
