@@ -97,8 +97,8 @@ def plan_checks(layout: ShardLayout, *, reduce_scatter_checked: bool, all_reduce
     if reduce_scatter_checked:
         runs[f"{CHECK_REDUCE_CHECKSUM} (reduce-scatter)"] = f"the reduce-scatter of each shard group ({layout.shards} ranks)"
     else:
-        off[f"{CHECK_REDUCE_CHECKSUM} (reduce-scatter)"] = "the reduction is not FSDP2's plain average (a divide factor, " \
-                                                           "fp16 pre/post-division, or sum-only comms)"
+        off[f"{CHECK_REDUCE_CHECKSUM} (reduce-scatter)"] = "the reduction is not FSDP2's plain average or a plain sum (a " \
+                                                           "divide factor other than 1, or fp16 pre/post-division)"
     if layout.hsdp:
         if all_reduce_checked:
             runs[f"{CHECK_REDUCE_CHECKSUM} (all-reduce)"] = f"HSDP's all-reduce across {layout.replicas} replicas"

@@ -76,7 +76,11 @@ class Reduction:
     rs_checked: bool = True
     """The reduce-scatter is FSDP2's plain average (check 4 applies to it)."""
     ar_checked: bool = False
-    """An all-reduce averages exactly this output across replicas (HSDP, not deferred)."""
+    """An all-reduce averages (or sums) exactly this output across replicas (HSDP, not deferred)."""
+    sums: bool = False
+    """The reductions add instead of averaging (a ``gradient_divide_factor`` of 1.0, torchtitan's, or
+    forced sum comms; FSDP2 divides after the all-reduce hook, if at all): the recorded outputs are
+    ``S`` (reduce-scatter) and ``R`` (all-reduce) times the means check 4 compares."""
 
 
 class ShardedRecorder:
@@ -155,13 +159,15 @@ class ShardedRecorder:
         rows = flat.view(shards, -1)
         index = unit * shards
         chunks = torch.stack([self.weights.terms(index + j, rows[j]) for j in range(shards)])
-        plain = op == dist.ReduceOp.AVG
+        mean = op == dist.ReduceOp.AVG
+        sums = not mean and plain_sum(op, group, flat.dtype)
         hsdp_next = self.layout.hsdp and group.all_reduce_grads
-        record = Reduction(unit, chunks, rows.shape[1], flat.dtype, rs_checked=plain,
+        record = Reduction(unit, chunks, rows.shape[1], flat.dtype, rs_checked=mean or sums, sums=sums,
                            # the all-reduce's input is exactly this output only without an earlier
-                           # partial (set_requires_all_reduce(False)) and with FSDP2's plain average
-                           ar_checked=bool(hsdp_next and plain and group._partial_reduce_output is None
-                                           and group.gradient_divide_factor is None
+                           # partial (set_requires_all_reduce(False)), and it averages (sums) only
+                           # with FSDP2's plain average (a plain sum)
+                           ar_checked=bool(hsdp_next and (sums or (mean and group.gradient_divide_factor is None))
+                                           and group._partial_reduce_output is None
                                            and unit not in self.user_all_reduce_hooks),
                            micro=self.micro, fp=fingerprint_sums([flat])[0] if self.fingerprints else None)
         self.records.append(record)
@@ -185,6 +191,15 @@ class ShardedRecorder:
             return
         shard_index = self.layout.coordinates(self.layout.rank)["shard"]
         record.replicated = self.weights.checksum(unit * self.layout.shards + shard_index, output)
+
+
+def plain_sum(op: Any, group: Any, dtype: torch.dtype) -> bool:
+    """Whether FSDP2 reduces with a plain sum, no division before it: a float32 / bfloat16 gradient
+    (FSDP2 pre-divides others) and ``ReduceOp.SUM`` (forced sum comms) or ``PREMUL_SUM`` by exactly
+    1 (a ``gradient_divide_factor`` of 1.0: torchtitan divides its loss by the global token count)."""
+    factor = group.gradient_divide_factor
+    return (dtype in (torch.float32, torch.bfloat16) and factor in (None, 1.0)
+            and (op == dist.ReduceOp.SUM or factor == 1.0))
 
 
 class RecordingReduceScatter(ReduceScatter):

@@ -1,5 +1,6 @@
 """Checks 1 and 4 for a sharded model: one step's reductions as one ``[x, y]`` vote, and its
-judgement (docs/design.md §3, "Sharded models").
+judgement (docs/design.md §3, "Sharded models"). A reduction that sums instead (torchtitan's
+``gradient_divide_factor`` of 1.0) is compared as the mean it is ``S`` (``R``) times.
 
 The vote is ``reduce_checksum.vote`` applied to each reduction FSDP2 ran:
   - a reduce-scatter within a shard group of ``S`` ranks: rank ``j``'s output should be the mean of
@@ -81,8 +82,9 @@ def step_vote(records: list[Reduction], layout: ShardLayout, losses: list[torch.
         reduced = reduced + rec.shard[0]
         # ``vote`` divides the reduced checksums by the group size, as every DDP rank holds the
         # same one; here each rank holds its own shard's, so it counts S times
-        part = vote(list(rec.chunks), [rec.shard[0]] * S, [(rec.elements, rec.dtype)] * S, S,
-                    coefficients.get(rec.unit, "rs"))
+        # a sum is compared as the mean it is S (R) times: a float64 division, far below the bound
+        part = vote(list(rec.chunks), [rec.shard[0] / S if rec.sums else rec.shard[0]] * S,
+                    [(rec.elements, rec.dtype)] * S, S, coefficients.get(rec.unit, "rs"))
         if rec.rs_checked:
             rs = rs + part
             rs_elements += rec.elements
@@ -92,7 +94,8 @@ def step_vote(records: list[Reduction], layout: ShardLayout, losses: list[torch.
             rs = rs + 0 * part  # finite: nothing; NaN/Inf: check 1 still sees it
         if rec.replicated is not None:
             reduced = reduced + rec.replicated
-            part = vote([rec.shard], [rec.replicated], [(rec.elements, rec.dtype)], R, coefficients.get(rec.unit, "ar"))
+            part = vote([rec.shard], [rec.replicated / R if rec.sums else rec.replicated], [(rec.elements, rec.dtype)],
+                        R, coefficients.get(rec.unit, "ar"))
             if rec.ar_checked:
                 ar = ar + part
                 ar_elements += rec.elements
