@@ -7,8 +7,8 @@ torchtitan's clipping, AdamW and LR schedule.
     Trainer), started together: every rank's final shards and every step's loss bit-identical,
     checks 1, 2 and 3 ran and passed, and check 3 ran before the checkpoints torchtitan wrote;
   - faults (slow): every kind of sdcguard.faults.spec planted in a run, each caught by its check
-    naming its rank (weights faults: 2 replicas, both named, ambiguous), or — reduce-scale — the
-    escape this integration documents (torchtitan sums its gradients: check 4 is off);
+    naming its rank (weights faults: 2 replicas, both named, ambiguous; reduce-scale: check 4 on
+    torchtitan's summed reductions, no rank);
   - a mesh sdcguard cannot check (replicate only, shard 1) refused at start-up with the reason (slow).
 """
 import json
@@ -78,13 +78,54 @@ def test_every_check_ran_on_torchtitans_mesh_and_before_its_checkpoints(clean):
         assert (g["last_audited"], g["last_weights_verified"]) == (6, 6)
     plan = "\n".join(clean["guarded"]["results"][0]["plan"])
     assert "HSDP 2 replicas x 2 shards" in plan
-    for check in ("nonfinite-local", "replay", "weights"):
-        assert f"runs {check}:" in plan
-    assert "does not run reduce-checksum (reduce-scatter)" in plan  # torchtitan sums: said at start-up
+    for check in ("nonfinite-local", "replay", "weights", "reduce-checksum (reduce-scatter)",
+                  "reduce-checksum (all-reduce)"):
+        assert f"runs {check}:" in plan  # check 4 too: torchtitan's sum (divide factor 1.0) is checked as one
+    assert "does not run" not in plan
+    for g in clean["guarded"]["results"]:
+        assert g["last_reduction_verified"] == 6
     for run in ("guarded", "plain"):
         folders = sorted(p.name for p in (clean["root"] / run / "checkpoint").iterdir())
         assert folders == ["step-3", "step-6"]
     assert "check 3 before torchtitan's checkpoint" not in clean["guarded"]["output"]
+
+
+def _sum_reduction(corrupt: bool) -> bool:
+    """One shard group of 4 ranks reducing as torchtitan has FSDP2 reduce (a plain sum, divide factor
+    1.0), fed through sdcguard's recorder: whether check 4's vote is within its bound."""
+    import torch
+    import torch.distributed as dist
+
+    from sdcguard.checks.reduce_checksum import judge_checksum
+    from sdcguard.sharding.layout import layout_of
+    from sdcguard.sharding.reduce_record import ShardedRecorder
+    from sdcguard.sharding.reduction_check import step_vote
+
+    class Group:  # what the recorder reads of torchtitan's FSDPParamGroup
+        all_reduce_grads, _partial_reduce_output, gradient_divide_factor = True, None, 1.0
+
+    S = 4
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(S * 33, generator=g) * 10.0 ** torch.randint(-3, 3, (S * 33,), generator=g)
+             for _ in range(S)]
+    votes, shape = [], None
+    for r in range(S):
+        recorder = ShardedRecorder(layout_of([list(range(S))], r), seed=1)
+        recorder.begin_step(3)
+        record = recorder.local_input(0, grads[r].clone(), dist.ReduceOp.PREMUL_SUM(1.0), Group())
+        out = torch.stack([grads[q].view(S, -1)[r] for q in range(S)]).sum(0)  # a sum: no division
+        if corrupt and r == 2:
+            out[5] *= 1.001
+        recorder.reduced_shard(record, out, r)
+        vote = step_vote(recorder.records, recorder.layout, [])
+        votes.append(vote.vote)
+        shape = vote.shape
+    x, y = (float(v) for v in torch.stack(votes).sum(0))
+    return judge_checksum(x, y, shape) is None
+
+
+def test_check_4_bounds_torchtitans_summed_reduce_scatter():
+    assert _sum_reduction(corrupt=False) and not _sum_reduction(corrupt=True)
 
 
 COMPUTE = ["forward-nan:rank=2:step=1", "grad-inf:rank=1:step=2", "forward-scale:rank=3:step=3",
@@ -98,13 +139,13 @@ def test_compute_and_reduction_faults_are_caught_by_their_check_naming_the_rank(
         flags += ["--inject", spec]
     run = _finish(tmp_path, _start("train.py", tmp_path, 4, *flags), 4)
     expected = [("nonfinite-local", 1, [2]), ("nonfinite-local", 2, [1]), ("replay", 3, [3]), ("replay", 4, [1]),
-                ("nonfinite-reduced", 5, [])]  # reduce-scale at 6: check 4 is off under torchtitan's sum
+                ("nonfinite-reduced", 5, []), ("reduce-checksum", 6, [])]
     for r in run["results"]:
         assert [(a["check"], a["step"], a["suspect_ranks"]) for a in r["alarms"]] == expected
-        assert [e["step"] for e in r["errors"]] == [1, 2, 3, 4, 5]
+        assert [e["step"] for e in r["errors"]] == [1, 2, 3, 4, 5, 6]
     assert sorted((a["check"], a["step"], a["suspect_ranks"]) for a in run["alarms"]) == sorted(expected)
     fired = {(f["kind"], f["step"]) for r in run["results"] for f in r["fired"]}
-    assert ("reduce-scale", 6) in fired  # it struck, and went unseen: the documented escape
+    assert {(s.split(":")[0], int(s.split("step=")[1].split(":")[0])) for s in COMPUTE} <= fired
 
 
 @pytest.mark.slow
