@@ -97,8 +97,8 @@ class SdcguardTrainer(Trainer):
     ``sdcguard_reduce_hook`` / ``sdcguard_reduce_state``: your own DDP reduction (see ``Guard``).
     Every other argument is the Trainer's. With ``save_strategy="steps"`` and no
     ``checkpoint_every`` of its own, the config's checkpoint interval is ``save_steps`` (saved steps
-    are then audited, so the newest folder is a resume point). The Guard is built at the first training step, once
-    the Trainer has wrapped the model (``self.guard``)."""
+    are then audited, so the newest folder is a resume point). The Guard is built at the first
+    training step, once the Trainer has wrapped the model (``self.guard``)."""
 
     def __init__(self, *args: Any, sdcguard_config: Config | None = None,
                  sdcguard_reduce_hook: Callable[..., Any] | None = None, sdcguard_reduce_state: Any = None,
@@ -154,6 +154,7 @@ class SdcguardTrainer(Trainer):
         """The Trainer's ``train``; a ``checkpoint-N`` folder to resume from is verified against its
         manifest first (``CheckpointError`` on every rank, before the Trainer reads it), and the
         run inherits what it had verified, so an alarm can name a folder from before it."""
+        self._resumed = None
         if resume_from_checkpoint:
             folder = (get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True
                       else os.fspath(resume_from_checkpoint))
