@@ -7,6 +7,8 @@ module, accumulating micro-batch gradients in the original order. It never write
 """
 from __future__ import annotations
 
+import collections
+
 import contextlib
 import hashlib
 from dataclasses import dataclass, field
@@ -126,7 +128,8 @@ def replay(
     # AccumulateGrad does (g0, then g0 + g1, ...: the same bits), and autograd.grad gets a
     # one-element stand-in back: so the sums and a whole micro-batch's gradients never coexist
     # (an audit step's peak stays within one gradient copy of a plain step's).
-    handles = [p.register_hook(_accumulator(grads, index)) for index, p in params]
+    holders: collections.Counter[int] = collections.Counter()
+    handles = [p.register_hook(_accumulator(grads, holders, index)) for index, p in params]
     try:
         with _replay_mode():
             for i, micro in enumerate(payload.micro_batches):
@@ -151,12 +154,38 @@ def replay(
     return result
 
 
-def _accumulator(grads: dict[int, torch.Tensor], index: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def _accumulator(grads: dict[int, torch.Tensor], holders: collections.Counter[int],
+                 index: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``holders`` counts the sums held per storage: the engine may hand one tensor to two
+    parameters (``a + b``), and adding in place into it would change both sums."""
     def accumulate(grad: torch.Tensor) -> torch.Tensor:
-        # Out of place: the engine may hand one tensor to two parameters, or a broadcast view.
-        grads[index] = grad if index not in grads else grads[index] + grad
+        held = grads.get(index)
+        if held is None:
+            grads[index] = grad
+            holders[_storage(grad)] += 1
+        elif holders[_storage(held)] == 1 and held.dtype == grad.dtype and _dense(held):
+            held.add_(grad)  # ours alone: no second sum beside it for an instant (the same bits)
+        else:
+            holders[_storage(held)] -= 1
+            grads[index] = summed = held + grad
+            holders[_storage(summed)] += 1
         return grad.new_zeros(()).expand(grad.shape)
     return accumulate
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """No two elements share memory (contiguous in some order of its dimensions: a Linear
+    weight's gradient is a transposed view), so adding in place adds each element once."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _finite(loss: torch.Tensor, grads: Any) -> bool:
