@@ -228,23 +228,28 @@ def verify_directory(path: str | os.PathLike[str], *, expect_step: int | None = 
 
 def shard_digests(path: str | os.PathLike[str], manifest: Mapping[str, Any]) -> list[str]:
     """Each shard's fingerprint digest, recomputed from the directory's files (parameters read whole,
-    a group of at most READ_BUDGET_BYTES at a time, and cut into the manifest's chunks)."""
+    a group of at most READ_BUDGET_BYTES at a time, and cut into the manifest's chunks). A
+    ``model_key`` of ``""``: the parameters are top-level entries (torchtitan's flattened model state)."""
     reader = FileSystemReader(str(path))
     metadata = reader.read_metadata()  # a pickle: read only after its SHA-256 matched the manifest
     key, names = manifest["model_key"], manifest["parameters"]
     shards = manifest["shards"]
     fingerprints: list[list[Any]] = [[] for _ in shards]
-    for group in _groups(names, lambda n: _nbytes(metadata.state_dict_metadata.get(f"{key}.{n}"))):
+
+    def fqn(name: str) -> str:
+        return f"{key}.{name}" if key else name
+
+    for group in _groups(names, lambda n: _nbytes(metadata.state_dict_metadata.get(fqn(n)))):
         wanted = {}
         for name in group:
-            meta = metadata.state_dict_metadata.get(f"{key}.{name}")
+            meta = metadata.state_dict_metadata.get(fqn(name))
             if not isinstance(meta, TensorStorageMetadata):
-                raise CheckpointError(f"{path}: its files hold no tensor {key}.{name}")
+                raise CheckpointError(f"{path}: its files hold no tensor {fqn(name)}")
             wanted[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
         with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": no process group, on purpose
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            load({key: wanted}, storage_reader=FileSystemReader(str(path)), planner=WeightsOnlyLoadPlanner(),
-                 no_dist=True)
+            load({key: wanted} if key else wanted, storage_reader=FileSystemReader(str(path)),
+                 planner=WeightsOnlyLoadPlanner(), no_dist=True)
         for name in group:
             i = names.index(name)
             for j, shard in enumerate(shards):
