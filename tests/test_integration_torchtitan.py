@@ -9,6 +9,9 @@ torchtitan's clipping, AdamW and LR schedule.
   - faults (slow): every kind of sdcguard.faults.spec planted in a run, each caught by its check
     naming its rank (weights faults: 2 replicas, both named, ambiguous; reduce-scale: check 4 on
     torchtitan's summed reductions, no rank);
+  - checkpoints (slow): sdcguard's manifest beside torchtitan's DCP folders, checked offline; a resume
+    verified before torchtitan loads it (bit-identical to torchtitan's own resume), a flipped byte
+    refused; an alarm naming the last checkpoint before its window, none written after it;
   - a mesh sdcguard cannot check (replicate only, shard 1) refused at start-up with the reason (slow).
 """
 import json
@@ -87,7 +90,6 @@ def test_every_check_ran_on_torchtitans_mesh_and_before_its_checkpoints(clean):
     for run in ("guarded", "plain"):
         folders = sorted(p.name for p in (clean["root"] / run / "checkpoint").iterdir())
         assert folders == ["step-3", "step-6"]
-    assert "check 3 before torchtitan's checkpoint" not in clean["guarded"]["output"]
 
 
 def _sum_reduction(corrupt: bool) -> bool:
@@ -148,18 +150,95 @@ def test_compute_and_reduction_faults_are_caught_by_their_check_naming_the_rank(
     assert {(s.split(":")[0], int(s.split("step=")[1].split(":")[0])) for s in COMPUTE} <= fired
 
 
+WEIGHTS = {"optimizer-scale": ("optimizer-scale:rank=2:step=2", 2), "weight-bitflip": ("weight-bitflip:rank=1:step=2", 1),
+           "weight-swap": ("weight-swap:rank=3:step=2:element=3", 3)}
+
+
+@pytest.fixture(scope="module")
+def weight_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("titan-weights")
+    flags = [*HSDP, "--steps", "2", "--audit-every", "0", "--weight-check-every", "1"]
+    procs = {kind: _start("train.py", root / kind, 4, *flags, "--inject", spec) for kind, (spec, _) in WEIGHTS.items()}
+    return {kind: _finish(root / kind, proc, 4) for kind, proc in procs.items()}  # together: start-up dominates
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("spec,rank", [("optimizer-scale:rank=2:step=2", 2), ("weight-bitflip:rank=1:step=2", 1),
-                                       ("weight-swap:rank=3:step=2:element=3", 3)])
-def test_weight_faults_are_caught_by_check_3_naming_the_replicas(tmp_path, spec, rank):
-    flags = [*HSDP, "--steps", "2", "--audit-every", "0", "--weight-check-every", "1", "--inject", spec]
-    run = _finish(tmp_path, _start("train.py", tmp_path, 4, *flags), 4)
-    for r in run["results"]:
+@pytest.mark.parametrize("kind", sorted(WEIGHTS))
+def test_weight_faults_are_caught_by_check_3_naming_the_replicas(weight_runs, kind):
+    run, rank = weight_runs[kind], WEIGHTS[kind][1]
+    for r in run["results"]:  # SDCDetected stopped every rank at step 2, after its update
         assert r["alarm"]["check"] == "weights" and r["alarm"]["step"] == 2 and r["step"] == 2
         assert rank in r["alarm"]["suspect_ranks"]
     # two replicas of each shard: no strict majority, so both holders of the shard are named
     (alarm,) = run["alarms"]
     assert alarm["ambiguous"] and sorted(alarm["suspect_ranks"]) == sorted({rank, (rank + 2) % 4})
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(clean, tmp_path_factory):
+    """From the clean runs' checkpoints: both resumed to step 8, a copy with one flipped byte resumed,
+    and a fault run that checkpoints (every 2 steps) until an alarm at the audit of step 4."""
+    import shutil
+    root = tmp_path_factory.mktemp("titan-resume")
+    for name in ("guarded", "plain"):
+        shutil.copytree(clean["root"] / name / "checkpoint", root / name / "checkpoint")
+    shutil.copytree(clean["root"] / "guarded" / "checkpoint", root / "tampered" / "checkpoint")
+    shard = root / "tampered" / "checkpoint" / "step-6" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    resume = [*HSDP, "--steps", "8", "--audit-every", "3", "--weight-check-every", "2", "--checkpoint-every", "3"]
+    fault = [*HSDP, "--steps", "4", "--audit-every", "2", "--weight-check-every", "2", "--checkpoint-every", "2",
+             "--inject", "grad-bitflip:rank=1:step=4"]
+    procs = {"guarded": _start("train.py", root / "guarded", 4, *resume),
+             "plain": _start("train_plain.py", root / "plain", 4, *resume),
+             "tampered": _start("train.py", root / "tampered", 4, *resume),
+             "fault": _start("train.py", root / "fault", 4, *fault)}
+    runs = {name: _finish(root / name, proc, 4, ok=name != "tampered") for name, proc in procs.items()}
+    runs["root"], runs["clean_root"] = root, clean["root"]
+    return runs
+
+
+@pytest.mark.slow
+def test_torchtitans_checkpoints_carry_a_manifest_verified_offline(checkpoint_runs):
+    clean = checkpoint_runs["clean_root"]
+    for step in (3, 6):
+        folder = clean / "guarded" / "checkpoint" / f"step-{step}"
+        manifest = json.loads((folder / "sdcguard-manifest.json").read_text())
+        assert manifest["step"] == step and manifest["weights_verified"] and manifest["audited"]
+        assert manifest["mesh"] == {"replicas": 2, "shards": 2, "grid": [[0, 1], [2, 3]]}
+        assert "layers.0.attention.qkv_linear.wq.weight" in manifest["parameters"]  # torchtitan's saved layout
+        out = subprocess.run([sys.executable, "-m", "sdcguard.cli", "verify-checkpoint", str(folder), "--step", str(step)],
+                             capture_output=True, text=True)
+        assert out.returncode == 0 and out.stdout.startswith("OK"), out.stdout + out.stderr
+    assert not (clean / "plain" / "checkpoint" / "step-6" / "sdcguard-manifest.json").exists()
+    tampered = checkpoint_runs["root"] / "tampered" / "checkpoint" / "step-6"
+    out = subprocess.run([sys.executable, "-m", "sdcguard.cli", "verify-checkpoint", str(tampered)],
+                         capture_output=True, text=True)
+    assert out.returncode == 1 and "__1_0.distcp was modified" in out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_a_resume_is_verified_first_and_stays_bit_identical_to_torchtitan(checkpoint_runs):
+    guarded, plain = checkpoint_runs["guarded"]["results"], checkpoint_runs["plain"]["results"]
+    for g, p in zip(guarded, plain):
+        assert (g["error"], g["step"], sorted(g["losses"])) == (None, 8, ["7", "8"])
+        assert g["weights_digest"] == p["weights_digest"] and g["losses"] == p["losses"]
+    tampered = checkpoint_runs["tampered"]
+    assert tampered["returncode"] != 0
+    assert "refusing to resume from" in tampered["output"] and "__1_0.distcp was modified" in tampered["output"]
+
+
+@pytest.mark.slow
+def test_an_alarm_names_the_last_checkpoint_before_its_window(checkpoint_runs):
+    run = checkpoint_runs["fault"]
+    (alarm,) = run["alarms"]
+    assert (alarm["check"], alarm["step"], alarm["suspect_ranks"]) == ("replay", 4, [1])
+    folder = checkpoint_runs["root"] / "fault" / "checkpoint" / "step-2"
+    manifest = json.loads((folder / "sdcguard-manifest.json").read_text())
+    assert alarm["last_good_checkpoint"] == str(folder)  # audited at 2: the window opens at step 3
+    assert (alarm["last_good_checkpoint_step"], alarm["last_good_checkpoint_sha256"]) == (2, manifest["sha256"])
+    assert not (checkpoint_runs["root"] / "fault" / "checkpoint" / "step-4").exists()  # not saved after the alarm
 
 
 @pytest.mark.slow

@@ -26,24 +26,29 @@ from ``train_step`` on every rank alike; ``Trainer.train`` lets it through, and 
 
 Checkpoints: torchtitan's checkpointer writes its DCP folders ``step-N`` itself; with
 ``sdcguard.check_checkpoints`` (default on) check 3 runs before each save torchtitan makes (a
-replica that differs raises ``SDCDetected`` and nothing is written), and no save is made after an
-alarm. sdcguard's own sharded manifest (``sharding/dcp_manifest.py``: every file's SHA-256, per-shard
-digests) is not written for torchtitan's folders yet: their state-dict layout (torchtitan's
-``ModelWrapper`` flattening, dataloader and train state) is not the one ``sharding/dcp.py`` writes
-and verifies.
+replica that differs raises ``SDCDetected`` and nothing is written; no save after an alarm), and
+once every rank's files are written rank 0 adds sdcguard's sharded manifest beside them
+(``sharding/dcp_manifest.py``: every file's SHA-256, each shard's fingerprint digest and ranks, the
+mesh, the step, the audit it is covered by); the checkpoint enters the run's history, so an alarm
+can name it as ``last_good_checkpoint``. Before torchtitan loads a folder (a resume), it is checked
+against its manifest (``sdcguard verify-checkpoint`` checks one offline), and after the load every
+rank's shards against the digest recorded: a folder that differs is refused on every rank.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 from ..config import Config as GuardConfig
-from ..checkpoint import CheckpointError
+from ..checkpoint import EARLIER_CHECKPOINTS, CheckpointError
 from ..errors import ConfigurationError
 
 try:
@@ -195,21 +200,127 @@ class GuardedTrainer(Trainer):
     # -- checkpoints -----------------------------------------------------------------------------
 
     def _cover_checkpoints(self) -> None:
-        """Check 3 before each save torchtitan's checkpointer makes (and none after an alarm)."""
+        """Check 3 before each save torchtitan's checkpointer makes (none after an alarm) and
+        sdcguard's manifest once its files are written; a folder verified against its manifest
+        before torchtitan loads it."""
         checkpointer = self.checkpointer
-        save = checkpointer.save
+        save, load = checkpointer.save, checkpointer.load
         trainer = self
 
-        def checked_save(curr_step: int, last_step: bool = False) -> None:
+        def checked_save(curr_step: int, last_step: bool = False) -> bool:
             due = checkpointer._should_save(curr_step, last_step)  # the same answer on every rank
             if due:
                 if trainer.guard.alarms_raised:
-                    raise CheckpointError(f"sdcguard: refusing torchtitan's checkpoint of step {curr_step}: this run "
-                                       "raised an alarm")
+                    raise CheckpointError(f"sdcguard: refusing torchtitan's checkpoint of step {curr_step}: this "
+                                          f"run raised {trainer.guard.alarms_raised} alarm(s) and its state is suspect")
                 trainer.guard.check_weights(curr_step)  # raises SDCDetected on every rank when a replica differs
-            save(curr_step, last_step=last_step)
+            saved = save(curr_step, last_step=last_step)
+            if due:
+                checkpointer.maybe_wait_for_saving()  # async modes: the files must be complete to be hashed
+                trainer._write_manifest(curr_step)
+            return saved
+
+        def verified_load(step: int = -1) -> bool:
+            folder = trainer._load_folder(step)
+            manifest = None
+            if folder is not None:
+                manifest = _verify_everywhere(folder, trainer.guard.device)
+            loaded = load(step)
+            if loaded and manifest is not None:
+                trainer._resumed(folder, manifest)
+            return loaded
 
         checkpointer.save = checked_save  # type: ignore[method-assign]
+        checkpointer.load = verified_load  # type: ignore[method-assign]
+
+    def _write_manifest(self, step: int) -> None:
+        """sdcguard's manifest for the DCP folder torchtitan just wrote (collective): every file's
+        SHA-256, each shard's fingerprint digest and its ranks, the mesh, the step, the audits it
+        is covered by; the checkpoint then counts in the run's history (an alarm may name it)."""
+        from .. import recovery
+        from ..checks.exchange import broadcast_json, gather_objects
+        from ..contract.alarm import now_rfc3339
+        from ..contract.spool import write_json_atomic
+        from ..sharding import dcp_manifest
+
+        guard = self.guard
+        folder = Path(self.checkpointer._create_checkpoint_id(step))
+        names, mine = self._model_report()
+        reports = gather_objects(mine, None, guard.device)
+        history, layout = guard.history, guard.verifier.layout
+        verified = layout.hsdp and guard.last_weights_verified_step == step
+        plan = recovery.plan_save(history, str(folder), step, keep=False)  # torchtitan writes a new folder per step
+        outcome: dict[str, Any] = {"failure": None, "sha256": None}
+        if dist.get_rank() == 0:
+            try:
+                files = {name: dcp_manifest.sha256_file(folder / name) for name in dcp_manifest.listed(folder)}
+                after = recovery.after_save(history, plan, recovery.Checkpoint(step, str(folder), None), None)
+                recorded = {
+                    "audited_step": history.last_audited_step, "audited": history.last_audited_step == step,
+                    "reduction_verified_step": history.last_reduction_verified_step,
+                    "earlier_checkpoints": [{"step": c.step, "path": c.path, "audited_step": c.audited_step,
+                                             "sha256": c.sha256, "kept_from": c.kept_from,
+                                             "cross_checked": c.cross_checked}
+                                            for c in after.checkpoints if c.step < step][-EARLIER_CHECKPOINTS:],
+                    "verified_at": now_rfc3339(), "run_id": guard.topology.run_id, "torch": torch.__version__,
+                    "writer": "torchtitan",
+                }
+                manifest = dcp_manifest.build(
+                    step=step, files=files, grid=layout.grid, weights_verified=verified, model_key="",
+                    state_keys=[k for k in self.checkpointer.states if k != "model"],
+                    parameters=names, reports=reports, recorded=recorded)
+                write_json_atomic(dcp_manifest.manifest_file(folder), json.dumps(manifest, indent=2, sort_keys=True))
+                outcome["sha256"] = manifest["sha256"]
+            except (CheckpointError, OSError) as exc:
+                outcome["failure"] = f"{type(exc).__name__}: {exc}"
+        outcome = broadcast_json(outcome if dist.get_rank() == 0 else None, 0, guard.device, None)
+        if outcome["failure"] is not None:
+            raise CheckpointError(f"sdcguard: no manifest for torchtitan's checkpoint {folder}: {outcome['failure']}")
+        saved = recovery.Checkpoint(step, str(folder), history.last_audited_step, outcome["sha256"],
+                                    cross_checked=verified)
+        guard.history = recovery.after_save(history, plan, saved, None)
+
+    def _model_report(self) -> tuple[list[str], dict[str, Any]]:
+        """The model state torchtitan saves (``ModelWrapper.state_dict()``: its key space, e.g. the
+        fused ``wqkv`` split into ``wq`` / ``wk`` / ``wv``, replicated), this rank's part of it:
+        the tensors' names, and the fingerprint digest and chunk of this rank's pieces — what
+        ``dcp_manifest.shard_digests`` recomputes from the files (collective: the split all-gathers)."""
+        from ..fingerprint import digest, fingerprint_many
+        from ..sharding import dcp_manifest
+        state = self.checkpointer.states["model"].state_dict()
+        names = [n for n, t in state.items() if isinstance(t, torch.Tensor)]
+        tensors = [state[n] for n in names]
+        local = [(t.to_local() if hasattr(t, "to_local") else t).detach().contiguous() for t in tensors]
+        return names, {"digest": digest(fingerprint_many(local)).hex(),
+                       "chunks": [dcp_manifest.chunk_of(t) for t in tensors]}
+
+    def _load_folder(self, step: int) -> Path | None:
+        """The ``step-N`` folder torchtitan's ``load(step)`` will read, or None (no checkpoint yet:
+        an initial load from HF weights or a seed is not sdcguard's)."""
+        checkpointer = self.checkpointer
+        if not os.path.isdir(checkpointer.folder):
+            return None
+        found = checkpointer._find_load_step() if step == -1 else step
+        return Path(checkpointer._create_checkpoint_id(found)) if found != -1 else None
+
+    def _resumed(self, folder: Path, manifest: dict[str, Any]) -> None:
+        """The verified checkpoint is this run's starting point: its step, what it was covered by,
+        and — after torchtitan loaded it — each rank's shards against the digest the manifest records."""
+        from ..sharding import dcp
+        from ..sharding.shard_weights import fingerprint_shards
+        guard = self.guard
+        layout = guard.verifier.layout
+        shard = layout.coordinates(layout.rank)["shard"]
+        names, mine = self._model_report()
+        ok = names == manifest["parameters"] and mine["digest"] == manifest["shards"][shard]["digest"]
+        if not _everyone_agrees(ok, guard.device):
+            raise CheckpointError(f"sdcguard: the weights torchtitan loaded from {folder} are not those its manifest "
+                                  "records")
+        step = int(manifest["step"])
+        guard.history = dcp.resumed_history(str(folder), manifest)
+        guard.verifier.last_weights_digest = (fingerprint_shards(guard.named_parameters).digest.hex()
+                                              if manifest.get("weights_verified") else None)
+        guard.gate.resumed_at(step)
 
 
 def guarded(config: Trainer.Config, **settings: Any) -> GuardedTrainer.Config:
@@ -220,6 +331,30 @@ def guarded(config: Trainer.Config, **settings: Any) -> GuardedTrainer.Config:
 
 
 # -- helpers -------------------------------------------------------------------------------------
+
+def _verify_everywhere(folder: Path, device: torch.device) -> dict[str, Any]:
+    """Rank 0 checks ``folder`` against its manifest (every file's SHA-256, every shard's digest
+    recomputed from the files) before any rank loads it; the verdict reaches every rank."""
+    from ..checks.exchange import broadcast_json
+    from ..sharding import dcp_manifest
+    said: dict[str, Any] = {"failure": None, "manifest": None}
+    if dist.get_rank() == 0:
+        try:
+            dcp_manifest.verify_directory(folder)
+            said["manifest"] = dcp_manifest.read(folder)
+        except CheckpointError as exc:
+            said["failure"] = str(exc)
+    said = broadcast_json(said if dist.get_rank() == 0 else None, 0, device, None)
+    if said["failure"] is not None:
+        raise CheckpointError(f"sdcguard: refusing to resume from {folder}: {said['failure']}")
+    return said["manifest"]
+
+
+def _everyone_agrees(ok: bool, device: torch.device) -> bool:
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
+    dist.all_reduce(flag)
+    return int(flag.item()) == 0
+
 
 def _require_checkable(trainer: Trainer) -> None:
     """Refuse, at start-up and with the reason, a torchtitan job whose parallelism sdcguard's
