@@ -92,6 +92,25 @@ def test_every_check_ran_on_torchtitans_mesh_and_before_its_checkpoints(clean):
         assert folders == ["step-3", "step-6"]
 
 
+def test_guarded_turns_a_registry_config_into_one_with_an_sdcguard_section():
+    import tyro
+    from torchtitan.config.manager import custom_registry
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from sdcguard.integrations.torchtitan import GuardedTrainer, SDCGuardConfig, guarded
+
+    base = llama3_debugmodel()
+    config = guarded(base, audit_every=4)
+    assert type(config) is GuardedTrainer.Config and type(config)._owner is GuardedTrainer  # config.build() builds it
+    assert config.training == base.training and config.model_spec is base.model_spec
+    assert config.sdcguard == SDCGuardConfig(audit_every=4)
+    # torchtitan's command line reaches the section like any other (ConfigManager's tyro call)
+    parsed = tyro.cli(GuardedTrainer.Config, args=["--sdcguard.audit-every", "7", "--sdcguard.inject",
+                                                   "grad-inf:rank=1:step=2"], default=config, registry=custom_registry)
+    assert (parsed.sdcguard.audit_every, parsed.sdcguard.inject) == (7, ["grad-inf:rank=1:step=2"])
+    assert parsed.training == base.training
+
+
 def _sum_reduction(corrupt: bool) -> bool:
     """One shard group of 4 ranks reducing as torchtitan has FSDP2 reduce (a plain sum, divide factor
     1.0), fed through sdcguard's recorder: whether check 4's vote is within its bound."""
