@@ -13,8 +13,8 @@ section more, ``sdcguard`` (:class:`SDCGuardConfig`, also on the command line:
 
 or ``guarded(llama3_debugmodel())`` for a config a registry function returns.
 
-torchtitan has no hook around its step, so the patch point is ``Trainer.train_step`` (the method
-torchtitan's own docs tell extensions to override): :meth:`GuardedTrainer.train_step` is
+torchtitan has no hook around its step, so the patch point is ``Trainer.train_step``, the method its
+own experiments override (``experiments/torchft``, ``graph_trainer``): :meth:`GuardedTrainer.train_step` is
 torchtitan's, line for line (the token count, the micro-batches, ``clip_grad_norm_``, the
 optimizers and schedulers, the metrics), with the forward and backward of each micro-batch run
 through ``guard.step`` / ``s.backward`` and ``s.check()`` before the clipping, so an update is
