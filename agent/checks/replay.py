@@ -29,13 +29,18 @@ def replaying() -> bool:
 
 
 @contextlib.contextmanager
-def _replay_mode() -> Iterator[None]:
+def replay_mode() -> Iterator[None]:
+    """Passes inside are sdcguard's own (``replaying()`` is True): what keeps metrics and planted
+    faults out of a replay keeps them out of them, e.g. an integration's ``settle_buckets`` pass."""
     # A plain flag rather than a ContextVar: autograd may run hooks on its own threads.
     previous, _state["replaying"] = _state["replaying"], True
     try:
         yield
     finally:
         _state["replaying"] = previous
+
+
+_replay_mode = replay_mode  # the name sdcguard's own modules use
 
 
 @dataclass(frozen=True, slots=True)
