@@ -18,7 +18,7 @@ optimizer), never silently unchecked.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -68,36 +68,97 @@ class Step:
         The backward runs on ``loss * weight`` or ``loss / divide_by`` (as your loop wrote it: the
         two round differently), scaled by the GradScaler when one is enabled. DDP reduces the
         gradients on the last of the ``micro_batches`` declared to :meth:`Guard.step`."""
-        if self.checked:
-            raise RuntimeError(f"sdcguard: step {self.step}: backward() after check(): start a new guard.step()")
-        index = len(self.batches)
-        if index >= self.micro_batches:
-            raise RuntimeError(f"sdcguard: step {self.step} was declared with micro_batches={self.micro_batches}; "
-                               f"backward() was called a {index + 1}th time")
-        if weight is not None and divide_by is not None:
-            raise ValueError("backward takes weight= or divide_by=, not both")
-        weighting = Weighting("div", divide_by) if divide_by is not None else (
-            Weighting("mul", weight) if weight is not None else None)
+        weighting = _weighting(weight, divide_by)
         guard = self.guard
-        last = index == self.micro_batches - 1
+        last = len(self.batches) == self.micro_batches - 1
         sync = contextlib.nullcontext() if last or guard.ddp is None else guard.ddp.no_sync()
-        with sync, self._exact():
+        with sync:
+            with self._forward(micro, "backward()") as record:
+                loss = record(guard.loss_fn(guard.model, micro))
+            with self._backward_pass(weighting):
+                scaled = weighting.apply(loss) if weighting is not None else loss
+                (guard.scaler.scale(scaled) if guard.scaler is not None else scaled).backward()
+        return loss.detach()
+
+    # -- for a framework that runs the forward and the backward itself -------------------------
+
+    def forward(self, micro: Any) -> contextlib.AbstractContextManager[Callable[[torch.Tensor], torch.Tensor]]:
+        """Your framework's forward of one micro-batch, recorded for the replay that redoes it::
+
+            with s.forward(micro) as record:
+                loss = record(framework_forward(micro))    # the unweighted loss, returned as is
+            with s.backward_pass(divide_by=n):
+                framework_backward(loss / n)
+
+        ``micro`` is what the Guard's ``loss_fn(module, micro)`` takes: a replay on another rank runs
+        ``loss_fn`` on the bare module with it and must compute the loss the block computed (store
+        tensors detached). Inside the block: this (step, rank, micro-batch)'s forward RNG seed, the
+        recording of the buffers the forward sees, and on audit steps deterministic kernels and
+        compiled code run eagerly. Exactly one ``record(loss)`` per block; :meth:`backward_pass`
+        must follow before the next forward. Gradient synchronisation (DDP's ``no_sync``) stays
+        your framework's: it must reduce on the last of the step's ``micro_batches``."""
+        return self._forward(micro, "forward()")
+
+    @contextlib.contextmanager
+    def _forward(self, micro: Any, verb: str) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+        index = self._next(verb)
+        if len(self.weighting) != index:
+            raise RuntimeError(f"sdcguard: step {self.step}: {verb} of micro-batch {index} before the "
+                               f"backward_pass() of micro-batch {index - 1}")
+        guard = self.guard
+        recorded: list[torch.Tensor] = []
+
+        def record(loss: torch.Tensor) -> torch.Tensor:
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError(f"sdcguard: record() takes the loss tensor, got {type(loss).__name__}")
+            if recorded:
+                raise RuntimeError(f"sdcguard: step {self.step}: record() called twice in one forward()")
+            recorded.append(loss)
+            return loss
+
+        with self._exact():
             guard.recording = self
             try:
                 with seeded(forward_seed(guard.config.seed, self.step, guard.topology.rank, index), guard.device):
-                    loss = guard.loss_fn(guard.model, micro)
+                    yield record
             finally:
                 guard.recording = None
-            scaled = weighting.apply(loss) if weighting is not None else loss
-            (guard.scaler.scale(scaled) if guard.scaler is not None else scaled).backward()
-            if guard.sharded:  # the reduce-scatters that just ran belong to this micro-batch
-                guard.verifier.end_backward()
+        if not recorded:
+            raise RuntimeError(f"sdcguard: step {self.step}: the forward of micro-batch {index} recorded no loss "
+                               "(call record(loss) inside the block)")
+        loss = recorded[0].detach()
         self.batches.append(micro)
-        self.weighting.append(weighting)
         if self.audit:
-            self.loss_fps.append(fingerprint(loss.detach()))
-        self.losses.append(loss.detach())
-        return loss.detach()
+            self.loss_fps.append(fingerprint(loss))
+        self.losses.append(loss)
+
+    def backward_pass(self, *, weight: float | None = None,
+                      divide_by: float | None = None) -> contextlib.AbstractContextManager[None]:
+        """Your framework's backward of the loss the last :meth:`forward` recorded, which it
+        computes as ``loss * weight`` or ``loss / divide_by`` (or the loss itself: neither given)
+        and scales with the Guard's GradScaler when that is enabled; the replay applies the same
+        weighting. On audit steps the block runs deterministic kernels (and compiled code eagerly)."""
+        return self._backward_pass(_weighting(weight, divide_by))
+
+    @contextlib.contextmanager
+    def _backward_pass(self, weighting: Weighting | None) -> Iterator[None]:
+        if len(self.weighting) != len(self.batches) - 1:
+            raise RuntimeError(f"sdcguard: step {self.step}: backward_pass() without its forward()")
+        with self._exact():
+            yield
+            if self.guard.sharded:  # the reduce-scatters that just ran belong to this micro-batch
+                self.guard.verifier.end_backward()
+        self.weighting.append(weighting)
+
+    def _next(self, verb: str) -> int:
+        """The index of the micro-batch ``verb`` starts, refused after check() or past the count."""
+        if self.checked:
+            raise RuntimeError(f"sdcguard: step {self.step}: {verb} after check(): start a new guard.step()")
+        index = len(self.batches)
+        if index >= self.micro_batches:
+            raise RuntimeError(f"sdcguard: step {self.step} was declared with micro_batches={self.micro_batches}; "
+                               f"{verb} was called a {index + 1}th time")
+        return index
 
     def check(self) -> None:
         """Checks 1a/1b, and on audit steps 2 and 3 (before the update): raise on every rank
@@ -107,6 +168,8 @@ class Step:
         if len(self.batches) != self.micro_batches:
             raise RuntimeError(f"sdcguard: step {self.step} was declared with micro_batches={self.micro_batches} "
                                f"but ran {len(self.batches)} backward()")
+        if len(self.weighting) != len(self.batches):
+            raise RuntimeError(f"sdcguard: step {self.step}: check() before the backward_pass() of its last forward()")
         with self._exact():
             self.guard.verify(self)  # raises, or opens the update gate
         self.checked = True
@@ -151,3 +214,10 @@ class Step:
         stance = torch.compiler.set_stance("force_eager") if self.guard.compiled else contextlib.nullcontext()
         with deterministic(True), stance:
             yield
+
+
+def _weighting(weight: float | None, divide_by: float | None) -> Weighting | None:
+    if weight is not None and divide_by is not None:
+        raise ValueError("give weight= or divide_by=, not both")
+    return Weighting("div", divide_by) if divide_by is not None else (
+        Weighting("mul", weight) if weight is not None else None)

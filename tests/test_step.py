@@ -10,6 +10,7 @@ from torch import nn
 
 import sdcguard
 from sdcguard.checkpoint import CheckpointError, manifest_path, verify_checkpoint
+from sdcguard.checks.rng import forward_seed, seeded
 from sdcguard.config import Config
 
 
@@ -61,6 +62,98 @@ def test_the_users_loop_with_clipping_and_a_scheduler_is_bitwise_the_plain_loop(
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_loop(5)))
     assert guard.last_weights_verified_step == 4
 
+
+
+def dropout_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 1))
+
+
+def test_forward_and_backward_pass_are_bitwise_the_step_backward():
+    # a framework that runs the forward and the backward itself (s.forward / s.backward_pass) records
+    # and computes what s.backward does: the seeded forward (dropout), the weighting, the losses
+    runs = []
+    for split in (False, True):
+        model = dropout_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        guard = sdcguard.Guard(model, opt, loss_fn, config=Config(seed=3))
+        records = []
+        for step in range(3):
+            x, y = data(step)
+            with guard.step(step, micro_batches=2) as s:
+                for i in range(2):
+                    micro = (x[i::2], y[i::2])
+                    if split:
+                        with s.forward(micro) as record:
+                            loss = record(loss_fn(model, micro))
+                        with s.backward_pass(divide_by=2):
+                            (loss / 2).backward()
+                    else:
+                        s.backward(micro, divide_by=2)
+                s.check()
+                opt.step(); opt.zero_grad(set_to_none=True)
+                records.append((s.payload().weighting, [l.item() for l in s.losses], s.loss.item()))
+        runs.append(([p.detach().clone() for p in model.parameters()], records))
+    (plain, plain_records), (split, split_records) = runs
+    assert all(torch.equal(a, b) for a, b in zip(plain, split))
+    assert split_records == plain_records and split_records[0][0][0].op == "div"
+
+
+def test_forward_seeds_the_rng_per_micro_batch():
+    _, _, guard = make(seed=5)
+    with guard.step(7, micro_batches=2) as s:
+        draws = []
+        for i in range(2):
+            with s.forward(data(i)) as record:
+                draws.append(torch.rand(3))
+                loss = record(loss_fn(guard.model, data(i)))
+            with s.backward_pass():
+                loss.backward()
+        s.check()
+    assert not torch.equal(draws[0], draws[1])
+    with seeded(forward_seed(5, 7, 0, 1), torch.device("cpu")):
+        assert torch.equal(torch.rand(3), draws[1])
+    assert s.payload().weighting == [None, None]
+
+
+def test_forward_and_backward_pass_refuse_what_cannot_be_replayed():
+    _, _, guard = make()
+    x = data(0)
+    with pytest.raises(RuntimeError, match="recorded no loss"):
+        with guard.step(0) as s:
+            with s.forward(x):
+                loss_fn(guard.model, x)
+    with pytest.raises(RuntimeError, match=r"backward_pass\(\) without its forward"):
+        with guard.step(1) as s:
+            with s.backward_pass():
+                pass
+    with pytest.raises(RuntimeError, match=r"before the backward_pass\(\) of micro-batch 0"):
+        with guard.step(2, micro_batches=2) as s:
+            with s.forward(x) as record:
+                record(loss_fn(guard.model, x))
+            with s.forward(x) as record:
+                pass
+    with pytest.raises(RuntimeError, match=r"check\(\) before the backward_pass"):
+        with guard.step(3) as s:
+            with s.forward(x) as record:
+                record(loss_fn(guard.model, x))
+            s.check()
+    with pytest.raises(RuntimeError, match=r"record\(\) called twice"):
+        with guard.step(4) as s:
+            with s.forward(x) as record:
+                record(loss_fn(guard.model, x))
+                record(loss_fn(guard.model, x))
+    with pytest.raises(ValueError, match="not both"):
+        with guard.step(5) as s:
+            s.backward_pass(weight=0.5, divide_by=2)
+    with pytest.raises(RuntimeError, match=r"forward\(\) was called a 2th time"):
+        with guard.step(6) as s:
+            for _ in range(2):
+                with s.forward(x) as record:
+                    loss = record(loss_fn(guard.model, x))
+                with s.backward_pass():
+                    loss.backward()
+    assert guard.recording is None
 
 def test_clipping_is_not_a_silent_no_op_in_train_step():
     clipped = make()
