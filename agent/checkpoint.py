@@ -18,7 +18,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -74,7 +74,7 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], facts: Facts, *
     outcome: dict[str, Any] = {"failure": None, "sha256": None, "kept": None}
     if writer:
         try:
-            outcome["kept"] = _keep(plan.keep) if plan.keep is not None else None
+            outcome["kept"] = keep_file(plan.keep) if plan.keep is not None else None
             outcome["sha256"] = _write(path, state, facts, plan, outcome["kept"])
             _remove(plan.remove)
         except (CheckpointError, OSError) as exc:
@@ -124,9 +124,10 @@ def _still_holds(path: str, step: int, sha256: str | None) -> bool:
         return False
 
 
-def _keep(entry: recovery.Checkpoint) -> str | None:
-    """Keep the file of ``entry`` (its path is about to be written again) under its kept name, with
-    its manifest; return that name, or None when the path no longer holds the entry."""
+def keep_file(entry: recovery.Checkpoint) -> str | None:
+    """Keep the file of ``entry`` (its path is about to be written again, or removed by a framework's
+    rotation) under its kept name (``recovery.kept_path``), with its manifest; return that name, or
+    None when the path no longer holds the entry."""
     source = Path(entry.path)
     try:
         manifest = read_manifest(source)
@@ -155,13 +156,13 @@ def _remove(paths: tuple[str, ...]) -> None:
 
 def _write(path: Path, state: Mapping[str, Any], facts: Facts, plan: recovery.SavePlan, kept_as: str | None) -> str:
     """Write ``state`` and its manifest; return the file's SHA-256."""
-    saved_digest = _state_digest(state, facts.model_key, facts.parameters, where=str(path))
+    saved_digest = state_digest(state, facts.model_key, facts.parameters, where=str(path))
     if saved_digest != facts.weight_digest:
         raise CheckpointError(f"state[{facts.model_key!r}] does not hold the weights check 3 just verified "
                               "(pass the model's own state_dict)")
     _save_atomic(dict(state), path)
     history = facts.history
-    sha256 = _sha256(path)
+    sha256 = file_sha256(path)
     # The checkpoints before this one, as the history will list them once this save is recorded.
     after = recovery.after_save(history, plan, recovery.Checkpoint(facts.step, str(path), None), kept_as)
     earlier = [c for c in after.checkpoints if c.step < facts.step]
@@ -222,16 +223,19 @@ class Verification:
 
 
 def verify_checkpoint(path: str | os.PathLike[str], *, expect_step: int | None = None,
-                      expect_sha256: str | None = None) -> Verification:
+                      expect_sha256: str | None = None, allow_globals: Sequence[Any] = ()) -> Verification:
     """Check a checkpoint file against its manifest without a model or a process group: its
     SHA-256, its step, and the digest of the parameters it holds; with ``expect_step`` /
-    ``expect_sha256``, also that it is the checkpoint an alarm named. Raises CheckpointError."""
+    ``expect_sha256``, also that it is the checkpoint an alarm named. The file is read with
+    ``torch.load(weights_only=True)``, building besides its tensors and plain values only the
+    classes in ``allow_globals``. Raises CheckpointError (:class:`UnsafeGlobals` for a file that
+    holds other objects, naming them)."""
     path = Path(path)
     manifest = read_manifest(path, expect_step=expect_step, expect_sha256=expect_sha256)
     if "parameters" not in manifest:
         raise CheckpointError(f"manifest {manifest_path(path)} lists no parameters")
-    state = _verified_state(path, manifest, "cpu", True)
-    found = _state_digest(state, manifest.get("model_key", "model"), manifest["parameters"], where=str(path))
+    state = _verified_state(path, manifest, "cpu", True, allow_globals)
+    found = state_digest(state, manifest.get("model_key", "model"), manifest["parameters"], where=str(path))
     if found != manifest["weight_digest"]:
         raise CheckpointError(f"{path}: its weights have digest {found}, manifest says {manifest['weight_digest']}")
     return Verification(str(path), int(manifest["step"]), manifest.get("audited_step"), bool(manifest.get("audited")),
@@ -262,13 +266,44 @@ def read_manifest(path: str | os.PathLike[str], *, expect_step: int | None = Non
     return manifest
 
 
-def _verified_state(path: Path, manifest: dict[str, Any], map_location: Any, weights_only: bool) -> dict[str, Any]:
-    actual = _sha256(path)
+def verified_manifest(path: str | os.PathLike[str], *, expect_step: int | None = None,
+                      expect_sha256: str | None = None) -> dict[str, Any]:
+    """The manifest of ``path`` (as :func:`read_manifest` checks it) with the file's bytes checked
+    against it: what to call before a framework loads the file itself (Lightning's
+    ``trainer.fit(ckpt_path=)``). The weights are the caller's to check once loaded."""
+    manifest = read_manifest(path, expect_step=expect_step, expect_sha256=expect_sha256)
+    _check_bytes(Path(path), manifest)
+    return manifest
+
+
+def _check_bytes(path: Path, manifest: Mapping[str, Any]) -> None:
+    actual = file_sha256(path)
     if actual != manifest["sha256"]:
         raise CheckpointError(f"{path} was modified after it was verified: sha256 {actual} != manifest {manifest['sha256']}")
+
+
+class UnsafeGlobals(CheckpointError):
+    """The file is the one its manifest names, but holds objects that ``torch.load(weights_only=True)``
+    refuses to build (e.g. a ``pathlib.Path`` among Lightning's hyperparameters)."""
+
+    def __init__(self, path: Path, names: list[str]) -> None:
+        self.names = names
+        super().__init__(f"{path} matches its manifest but holds objects torch.load(weights_only=True) does not "
+                         f"build: {', '.join(names)}. If you trust them, allow exactly those "
+                         "(sdcguard verify-checkpoint --allow-global NAME; in Python, allow_globals= or "
+                         "torch.serialization.safe_globals)")
+
+
+def _verified_state(path: Path, manifest: dict[str, Any], map_location: Any, weights_only: bool,
+                    allow_globals: Sequence[Any] = ()) -> dict[str, Any]:
+    _check_bytes(path, manifest)
     try:
-        state = torch.load(path, map_location=map_location, weights_only=weights_only)
+        with torch.serialization.safe_globals(list(allow_globals)):
+            state = torch.load(path, map_location=map_location, weights_only=weights_only)
     except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a file it cannot read
+        unsafe = _unsafe_globals(path, allow_globals) if weights_only else []
+        if unsafe:
+            raise UnsafeGlobals(path, unsafe) from None
         raise CheckpointError(f"{path} cannot be loaded: {exc}") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} does not hold a state dict")
@@ -277,8 +312,19 @@ def _verified_state(path: Path, manifest: dict[str, Any], map_location: Any, wei
     return state
 
 
-def _state_digest(state: Mapping[str, Any], model_key: str, names: list[str], where: str) -> str:
-    """The weight digest (check 3's) of the parameters ``names`` in ``state[model_key]``."""
+def _unsafe_globals(path: Path, allowed: Sequence[Any]) -> list[str]:
+    """The globals in the file that weights_only loading refuses and ``allowed`` does not name."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # noqa: BLE001 - not a readable torch.save file: the load's own error says so
+        return []
+    given = {f"{getattr(g, '__module__', '')}.{getattr(g, '__qualname__', '')}" for g in allowed}
+    return [n for n in names if n not in given]
+
+
+def state_digest(state: Mapping[str, Any], model_key: str, names: list[str], where: str) -> str:
+    """The weight digest (check 3's) of the parameters ``names`` in ``state[model_key]`` (the DDP
+    and torch.compile prefixes of its keys removed); ``where`` names the file in errors."""
     if model_key not in state or not isinstance(state[model_key], Mapping):
         raise CheckpointError(f"{where}: the checkpoint state has no model state dict under {model_key!r}")
     tensors = _strip_prefixes(state[model_key])
@@ -316,7 +362,8 @@ def _save_atomic(state: dict[str, Any], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """The SHA-256 of a file's bytes (hex), what a manifest's ``sha256`` records."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):

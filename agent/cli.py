@@ -38,36 +38,51 @@ def main(argv: list[str] | None = None) -> int:
         "drill", help="run a fault-injection drill (multi-process DDP, or FSDP2 with --shard)", description=drill.DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter))
     verify = sub.add_parser("verify-checkpoint", help="check a checkpoint against its manifest (exit 0 good, 1 mismatch, 2 bad input)",
-                            description="Check a checkpoint file against its manifest (PATH.sdcguard.json), or a "
-                                        "sharded model's DCP directory against the manifest inside it: its bytes, "
+                            description="Check a checkpoint file against its manifest (PATH.sdcguard.json), a "
+                                        "sharded model's DCP directory, or a Hugging Face Trainer checkpoint-N "
+                                        "folder (sdcguard-trainer.json) against the manifest inside it: its bytes, "
                                         "its weights (each shard's fingerprint) and, with --step / --sha256, that it "
                                         "is the checkpoint an alarm named (last_good_checkpoint_step / "
                                         "last_good_checkpoint_sha256).")
-    verify.add_argument("path", type=Path, help="the checkpoint file (its manifest is PATH.sdcguard.json), or the "
-                                                "directory of a sharded checkpoint")
+    verify.add_argument("path", type=Path, help="the checkpoint file (its manifest is PATH.sdcguard.json), the "
+                                                "directory of a sharded checkpoint, or a checkpoint-N folder")
     verify.add_argument("--step", type=int, help="the step the alarm named: refuse a file that holds another")
     verify.add_argument("--sha256", help="the SHA-256 the alarm named: refuse a file with other bytes")
+    verify.add_argument("--allow-global", action="append", default=[], metavar="MODULE.NAME",
+                        help="a class the file may hold besides tensors and plain values (e.g. pathlib.PosixPath "
+                             "among Lightning hyperparameters): built by torch.load(weights_only=True); repeatable")
     for name, (_, _, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     args = parser.parse_args(argv)
     if args.command == "verify-checkpoint":
-        return _verify_checkpoint(args.path, args.step, args.sha256)
+        return _verify_checkpoint(args.path, args.step, args.sha256, args.allow_global)
     return _drill(args)
 
 
-def _verify_checkpoint(path: Path, step: int | None, sha256: str | None) -> int:
+def _verify_checkpoint(path: Path, step: int | None, sha256: str | None, allow: list[str]) -> int:
     """For the person deciding where to resume: no process group, no model needed."""
     if path.is_dir():
+        from .checkpoint_folder import is_checkpoint_folder
+        if is_checkpoint_folder(path):
+            return _verify_folder(path, step, sha256)
         return _verify_sharded_checkpoint(path, step, sha256)
     if not path.is_file():
         print(f"sdcguard verify-checkpoint: error: {path} is not a file", file=sys.stderr)
         return 2
-    from .checkpoint import CheckpointError, manifest_path, verify_checkpoint
+    from .checkpoint import CheckpointError, UnsafeGlobals, manifest_path, verify_checkpoint
     if not manifest_path(path).is_file():
         print(f"sdcguard verify-checkpoint: error: {path} has no manifest {manifest_path(path).name}", file=sys.stderr)
         return 2
     try:
-        found = verify_checkpoint(path, expect_step=step, expect_sha256=sha256)
+        allowed = [_global(name) for name in allow]
+    except (ImportError, AttributeError, ValueError) as exc:
+        print(f"sdcguard verify-checkpoint: error: --allow-global: {exc}", file=sys.stderr)
+        return 2
+    try:
+        found = verify_checkpoint(path, expect_step=step, expect_sha256=sha256, allow_globals=allowed)
+    except UnsafeGlobals as exc:  # the bytes are the manifest's; what they hold is for the user to allow
+        print(f"sdcguard verify-checkpoint: error: {exc}", file=sys.stderr)
+        return 2
     except CheckpointError as exc:
         print(f"MISMATCH {exc}")
         return 1
@@ -78,12 +93,49 @@ def _verify_checkpoint(path: Path, step: int | None, sha256: str | None) -> int:
     return 0
 
 
+def _global(name: str) -> object:
+    """``module.Name`` (``module.Outer.Inner``) as the object it names."""
+    module, _, attr = name.rpartition(".")
+    if not module:
+        raise ValueError(f"{name!r} is not MODULE.NAME")
+    while True:
+        try:
+            found: object = importlib.import_module(module)
+            break
+        except ModuleNotFoundError:
+            if "." not in module:
+                raise
+            module, _, outer = module.rpartition(".")
+            attr = f"{outer}.{attr}"
+    for part in attr.split("."):
+        found = getattr(found, part)
+    return found
+
+
+def _verify_folder(path: Path, step: int | None, sha256: str | None) -> int:
+    """A Hugging Face Trainer checkpoint-N folder (no transformers needed)."""
+    from .checkpoint import CheckpointError
+    from .checkpoint_folder import verify_folder
+    try:
+        manifest = verify_folder(path, expect_step=step, expect_sha256=sha256)
+    except CheckpointError as exc:
+        print(f"MISMATCH {exc}")
+        return 1
+    audited = manifest.get("audited_step")
+    covered = ("on an audited step" if manifest.get("audited") else
+               f"covered by the audit at step {audited}" if audited is not None else "not covered by any audit")
+    print(f"OK {path}: step {manifest['step']}, Trainer checkpoint folder, {len(manifest['files'])} files as written, "
+          f"{len(manifest['parameters'])} parameters, weight digest {manifest['weight_digest']}, "
+          f"sha256 {manifest['sha256']}, {covered}")
+    return 0
+
+
 def _verify_sharded_checkpoint(path: Path, step: int | None, sha256: str | None) -> int:
     from .checkpoint import CheckpointError
     from .sharding.dcp_manifest import MANIFEST_NAME, is_sharded_checkpoint, verify_directory
     if not is_sharded_checkpoint(path):
-        print(f"sdcguard verify-checkpoint: error: {path} is a directory without a manifest {MANIFEST_NAME}",
-              file=sys.stderr)
+        print(f"sdcguard verify-checkpoint: error: {path} is a directory without a manifest ({MANIFEST_NAME} "
+              "for a sharded checkpoint, sdcguard-trainer.json for a Trainer checkpoint-N folder)", file=sys.stderr)
         return 2
     try:
         found = verify_directory(path, expect_step=step, expect_sha256=sha256)

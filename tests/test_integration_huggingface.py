@@ -102,6 +102,39 @@ def test_checkpoint_folders_carry_manifests_and_rotate(clean, plain, tmp_path):
         verify_folder(clean / "checkpoint-8", expect_step=4)
 
 
+
+# The real command, with transformers and accelerate unimportable: a checkpoint-N folder is checked
+# with the standard library, torch and safetensors only.
+WITHOUT_FRAMEWORK = ("import sys; sys.modules['transformers'] = sys.modules['accelerate'] = None; "
+                     "from sdcguard.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def verify_command(*argv):
+    return subprocess.run([sys.executable, "-c", WITHOUT_FRAMEWORK, "verify-checkpoint", *map(str, argv)],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONSAFEPATH": "1"})
+
+
+def test_verify_checkpoint_command_checks_a_trainer_folder_without_transformers(clean, tmp_path, capsys):
+    from sdcguard.cli import main
+
+    folder = clean / "checkpoint-8"
+    sha = json.loads((folder / "sdcguard-trainer.json").read_text())["sha256"]
+    good = verify_command(folder, "--step", "8", "--sha256", sha)
+    assert good.returncode == 0, good.stderr
+    assert good.stdout.startswith(f"OK {folder}: step 8, Trainer checkpoint folder") and "on an audited step" in good.stdout
+    # exit codes as for the other checkpoints (in this process: the same command, faster)
+    capsys.readouterr()
+    assert main(["verify-checkpoint", str(folder), "--step", "4"]) == 1
+    assert capsys.readouterr().out.startswith("MISMATCH")
+    tampered = tmp_path / "checkpoint-8"
+    shutil.copytree(folder, tampered)
+    (tampered / "extra.txt").write_text("not written by the Trainer")
+    assert main(["verify-checkpoint", str(tampered)]) == 1
+    assert "extra.txt: not in the manifest" in capsys.readouterr().out
+    (tampered / "extra.txt").unlink()
+    (tampered / "sdcguard-trainer.json").unlink()
+    assert main(["verify-checkpoint", str(tampered)]) == 2  # a folder with no manifest at all is bad input
+
 def test_accelerate_guard_takes_the_prepared_objects_and_refuses_accelerates_own_accumulation():
     import torch
     from accelerate import Accelerator

@@ -20,7 +20,8 @@ Checkpoints: every ``checkpoint-N`` folder is written only after check 3 passed,
 ``sdcguard-trainer.json`` (every file's SHA-256, the weight digest of ``model.safetensors``, the
 step, what the run had verified). ``save_total_limit`` still rotates the folders, but never
 deletes one an alarm may still name as its resume point (for each check, the newest folder at or
-before the step it last cleared); a folder it deletes leaves the history, so no alarm names it. :func:`verify_folder` checks a folder offline.
+before the step it last cleared); a folder it deletes leaves the history, so no alarm names it. :func:`verify_folder` (``sdcguard.checkpoint_folder``,
+no transformers needed; ``sdcguard verify-checkpoint FOLDER``) checks a folder offline.
 
 Accelerate (``accelerate`` 1.x), in your own loop::
 
@@ -61,17 +62,15 @@ from ..contract.alarm import now_rfc3339
 from ..contract.spool import write_json_atomic
 from ..errors import ConfigurationError
 from ..guard import Guard
-from ..sharding.dcp_manifest import identity as _identity, sha256_file
+from ..checkpoint_folder import MANIFEST_NAME, SCHEMA, WEIGHTS_FILE, verify_folder
+from ..checkpoint_folder import hash_folder as _hash_folder
+from ..checkpoint_folder import weights_digest as _weights_digest
+from ..sharding.dcp_manifest import identity as _identity
 from ..step import Step
 
 __all__ = ["SdcguardTrainer", "SdcguardCallback", "accelerate_guard", "verify_folder", "MANIFEST_NAME"]
 
 log = logging.getLogger("sdcguard")
-
-MANIFEST_NAME = "sdcguard-trainer.json"
-SCHEMA = "sdcguard.dev/checkpoint-hf/v1"
-WEIGHTS_FILE = "model.safetensors"
-
 
 # -- Trainer --------------------------------------------------------------------------------------
 
@@ -362,53 +361,3 @@ def _still_holds(entry: Mapping[str, Any]) -> bool:
         return True
     except (file_checkpoint.CheckpointError, OSError, ValueError, KeyError):
         return False
-
-
-def verify_folder(path: str | os.PathLike[str], *, expect_step: int | None = None,
-                  expect_sha256: str | None = None) -> dict[str, Any]:
-    """Check a ``checkpoint-N`` folder against its manifest without a model or a process group:
-    the step and identity an alarm named, every file's SHA-256 (none missing or added), and the
-    weight digest of the parameters in ``model.safetensors``. Returns the manifest; raises
-    ``CheckpointError`` naming what differs."""
-    folder = Path(path)
-    try:
-        manifest = json.loads((folder / MANIFEST_NAME).read_text())
-    except FileNotFoundError:
-        raise file_checkpoint.CheckpointError(f"{folder} has no {MANIFEST_NAME}: not written by sdcguard after a "
-                                              "passing check") from None
-    except ValueError as exc:
-        raise file_checkpoint.CheckpointError(f"{folder / MANIFEST_NAME} is not valid JSON: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA or manifest.get("verified") is not True:
-        raise file_checkpoint.CheckpointError(f"{folder / MANIFEST_NAME} does not record a verified checkpoint")
-    if expect_step is not None and int(manifest["step"]) != int(expect_step):
-        raise file_checkpoint.CheckpointError(f"{folder} holds step {manifest['step']}, not step {expect_step}")
-    if expect_sha256 is not None and manifest["sha256"] != expect_sha256.strip().lower():
-        raise file_checkpoint.CheckpointError(f"{folder} is not the checkpoint the alarm named: "
-                                              f"sha256 {manifest['sha256']} != {expect_sha256}")
-    found = _hash_folder(folder)
-    problems = [f"{n}: {'missing' if n not in found else 'modified'}" for n in sorted(manifest["files"])
-                if found.get(n) != manifest["files"][n]]
-    problems += [f"{n}: not in the manifest" for n in sorted(set(found) - set(manifest["files"]))]
-    if problems:
-        raise file_checkpoint.CheckpointError(f"{folder} differs from its manifest: {'; '.join(problems)}")
-    if _identity(found) != manifest["sha256"]:
-        raise file_checkpoint.CheckpointError(f"{folder}: its file list does not hash to the manifest's sha256")
-    digest = _weights_digest(folder, manifest["parameters"])
-    if digest != manifest["weight_digest"]:
-        raise file_checkpoint.CheckpointError(f"{folder / WEIGHTS_FILE}: weight digest {digest}, "
-                                              f"manifest {manifest['weight_digest']}")
-    return manifest
-
-
-def _weights_digest(folder: Path, names: list[str]) -> str:
-    from safetensors.torch import load_file
-    weights = folder / WEIGHTS_FILE
-    if not weights.is_file():
-        raise file_checkpoint.CheckpointError(f"{weights} is missing (save_safetensors=False is not supported)")
-    return file_checkpoint._state_digest({"model": load_file(weights)}, "model", names, where=str(weights))
-
-
-def _hash_folder(folder: Path) -> dict[str, str]:
-    """relative path -> SHA-256 of every file under ``folder`` but the manifest."""
-    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != MANIFEST_NAME}
