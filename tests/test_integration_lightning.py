@@ -19,8 +19,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from sdcguard import verify_checkpoint
+from sdcguard import cli, verify_checkpoint
 from sdcguard.faults.spec import KINDS, parse_fault
 
 pytestmark = pytest.mark.multiprocess
@@ -164,6 +165,38 @@ def test_resume_from_the_named_checkpoint_ends_bitwise_on_the_clean_run(quick):
     for again, clean in zip(resumed["results"], quick["clean"]["results"]):
         assert again["losses"] == {k: v for k, v in clean["losses"].items() if not k.startswith("0:")}
 
+
+
+def test_hyperparameters_are_saved_and_checked(quick):
+    # examples/lightning's module calls save_hyperparameters(): Lightning stores them as a plain dict,
+    # which torch.load(weights_only=True) reads, so sdcguard verify-checkpoint passes as for any file
+    last = quick["clean"]["out"] / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["hyper_parameters"] == {"features": 16, "hidden": 32, "classes": 4,
+                                                                       "lr": 0.01}
+    assert cli.main(["verify-checkpoint", str(last), "--step", "8"]) == 0
+
+
+def test_hyperparameters_weights_only_refuses_are_named_and_a_resume_is_bitwise(tmp_path, capsys):
+    # a pathlib.Path among the hyperparameters: verify-checkpoint says which object the file holds
+    # (exit 2, not a mismatch) and checks the file once the user allows exactly it; a run resumed
+    # from it (accumulate_grad_batches=1, weights_only=False after sdcguard checked the bytes) ends
+    # bit for bit on the uninterrupted one
+    def run(out, epochs, *resume):
+        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "lightning_hparams_worker.py"), str(out),
+                               str(epochs), *resume], capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        return json.loads((out / "result.json").read_text())
+
+    full = run(tmp_path / "full", 2)
+    first = tmp_path / "full" / "checkpoints" / "epoch=0-step=4.ckpt"
+    capsys.readouterr()
+    assert cli.main(["verify-checkpoint", str(first)]) == 2
+    assert "pathlib.PosixPath" in capsys.readouterr().err
+    assert cli.main(["verify-checkpoint", str(first), "--step", "3", "--allow-global", "pathlib.PosixPath"]) == 0
+    assert cli.main(["verify-checkpoint", str(first), "--step", "4", "--allow-global", "pathlib.PosixPath"]) == 1
+    resumed = run(tmp_path / "resumed", 2, str(first))
+    assert full["global_step"] == resumed["global_step"] == 8
+    assert resumed["weights_digest"] == full["weights_digest"]
 
 # -- slow: every fault kind, bf16, a rotated checkpoint, the scripts as launched ----------------
 

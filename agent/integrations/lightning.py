@@ -30,7 +30,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -38,14 +37,11 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from .. import checkpoint as ckpt
 from .. import recovery
-from ..checks.determinism import deterministic
 from ..buckets import settle_buckets
-from ..checks.replay import Weighting, _replay_mode, replaying
-from ..checks.rng import forward_seed, seeded
+from ..checks.replay import replay_mode, replaying
 from ..checks.weights import fingerprint_weights
 from ..config import Config
 from ..errors import ConfigurationError
-from ..fingerprint import fingerprint
 from ..guard import Guard
 from ..step import Step
 
@@ -98,8 +94,6 @@ class GuardedDDPStrategy(DDPStrategy):
         self.guard: Guard | None = None
         """Built in ``setup`` once DDP wraps the module and the optimizer exists."""
         self._step: Step | None = None
-        self._step_exit: contextlib.ExitStack | None = None
-        self._pending_loss: torch.Tensor | None = None
         self._resumed: tuple[str, dict[str, Any]] | None = None
 
     # -- set-up --------------------------------------------------------------------------------
@@ -141,7 +135,7 @@ class GuardedDDPStrategy(DDPStrategy):
         ddp = self.model
         sync, ddp.require_backward_grad_sync = ddp.require_backward_grad_sync, True  # also under no_sync
         try:
-            with _replay_mode():
+            with replay_mode():
                 settle_buckets(ddp, through_ddp, (args, kwargs))
         finally:
             ddp.require_backward_grad_sync = sync
@@ -163,42 +157,29 @@ class GuardedDDPStrategy(DDPStrategy):
         if guard is None or not self.lightning_module.training:
             return super().training_step(*args, **kwargs)
         s = self._step if self._step is not None else self._open_step()
-        index = len(s.batches)
-        if index >= s.micro_batches:
+        if len(s.batches) >= s.micro_batches:
             raise RuntimeError(f"sdcguard: step {s.step} declared {s.micro_batches} micro-batches, Lightning ran "
                                f"another training_step before the optimizer step (did optimizer_step skip "
                                "optimizer.step(closure)?)")
-        guard.recording = s
-        try:
-            with deterministic(s.audit), seeded(forward_seed(guard.config.seed, s.step, guard.topology.rank, index),
-                                                guard.device):
-                output = super().training_step(*args, **kwargs)
-        finally:
-            guard.recording = None
-        loss = training_step_loss(output).detach()
-        s.batches.append((_detached(args), _detached(kwargs)))
-        if s.audit:
-            s.loss_fps.append(fingerprint(loss))
-        s.losses.append(loss)
-        self._pending_loss = loss
+        with s.forward((_detached(args), _detached(kwargs))) as record:  # what _loss_fn replays
+            output = super().training_step(*args, **kwargs)
+            record(training_step_loss(output))
         return output
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         s = self._step
         if s is None or self.guard is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        if self._pending_loss is None or len(s.weighting) != len(s.batches) - 1:
-            raise RuntimeError(f"sdcguard: step {s.step}: a backward without its training_step")
-        self._pending_loss = None
         # Lightning's automatic optimization backpropagates training_step's loss / accumulate_grad_batches.
-        s.weighting.append(Weighting("div", float(self.lightning_module.trainer.accumulate_grad_batches)))
-        with deterministic(s.audit):
+        with s.backward_pass(divide_by=float(self.lightning_module.trainer.accumulate_grad_batches)):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        if self.guard is None:
+        if self.guard is None and self._resumed is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        result = closure()  # the last micro-batch's training_step and backward (DDP reduces here)
+        # The last micro-batch's training_step and backward (DDP reduces here); the first of a resumed
+        # run (accumulate_grad_batches=1) builds the Guard in there.
+        result = closure()
         s = self._step
         if s is None:
             raise RuntimeError("sdcguard: optimizer step without a training_step in this step")
@@ -231,7 +212,7 @@ class GuardedDDPStrategy(DDPStrategy):
         return accumulate
 
     def _close_step(self, failed: BaseException | None) -> None:
-        s, self._step, self._pending_loss = self._step, None, None
+        s, self._step = self._step, None
         if s is not None:
             s.__exit__(None if failed is None else type(failed), failed, None)
 
@@ -272,7 +253,7 @@ class GuardedDDPStrategy(DDPStrategy):
         kept_as = None
         if self.is_global_zero:
             if keep:
-                kept_as = ckpt._keep(keep[0])
+                kept_as = ckpt.keep_file(keep[0])
                 if kept_as is not None:
                     log.warning("sdcguard: %s held step %d, which a later alarm may still name as its resume point: "
                                 "kept as %s", path, keep[0].step, kept_as)
@@ -291,11 +272,7 @@ class GuardedDDPStrategy(DDPStrategy):
         """Before Lightning reads ``ckpt_path``: its manifest (and the alarm's step and sha256 when
         given) and its bytes; the loaded weights are checked against the manifest in ``setup``."""
         path = os.path.realpath(os.fspath(checkpoint_path))  # save_last="link": the file it points to
-        manifest = ckpt.read_manifest(path, expect_step=self.expect_step, expect_sha256=self.expect_sha256)
-        actual = ckpt._sha256(Path(path))
-        if actual != manifest["sha256"]:
-            raise ckpt.CheckpointError(f"{path} was modified after it was verified: sha256 {actual} != "
-                                       f"manifest {manifest['sha256']}")
+        manifest = ckpt.verified_manifest(path, expect_step=self.expect_step, expect_sha256=self.expect_sha256)
         loaded = super().load_checkpoint(path, weights_only=weights_only)
         if int(loaded.get("global_step", -1)) != int(manifest["step"]) + 1:
             raise ckpt.CheckpointError(f"{path} holds global_step {loaded.get('global_step')}, its manifest says "

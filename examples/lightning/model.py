@@ -9,6 +9,7 @@ class TinyClassifier(L.LightningModule):
 
     def __init__(self, features: int = 16, hidden: int = 32, classes: int = 4, lr: float = 1e-2) -> None:
         super().__init__()
+        self.save_hyperparameters()  # stored in every checkpoint (an AttributeDict)
         self.lr = lr
         self.net = torch.nn.Sequential(
             torch.nn.Linear(features, hidden), torch.nn.LayerNorm(hidden), torch.nn.GELU(),
