@@ -188,6 +188,8 @@ def job(tmp_path_factory):
     plan.append({"name": "rotation", "kind": "trainer", "flags": ROTATION, "config": {"audit_checkpoints": False}})
     plan.append({"name": "resumed", "kind": "trainer", "config": {"audit_checkpoints": False},
                  "flags": [*ROTATION[:-2], "--resume", out / "rotation" / "checkpoint-3"]})
+    plan.append({"name": "uninterrupted", "kind": "trainer", "config": {"audit_checkpoints": False},
+                 "flags": ROTATION[:-2]})
     bf16 = ["--bf16", "--steps", "4", "--audit-every", "2", "--weight-check-every", "1", "--save-steps", "100"]
     plan += [{"name": "bf16", "kind": "trainer", "flags": bf16}, {"name": "bf16-plain", "kind": "trainer", "flags": bf16,
                                                                     "guarded": False}]
@@ -231,11 +233,17 @@ def test_an_alarm_names_a_folder_that_still_holds_its_step(job):
 
 
 @pytest.mark.slow
-def test_resuming_from_the_named_folder_inherits_its_history(job):
+def test_resuming_from_the_named_folder_inherits_its_history_and_is_bitwise_the_uninterrupted_run(job):
     out = job / "resumed"
-    for r in results(out, RANKS):
+    for r, u in zip(results(out, RANKS), results(job / "uninterrupted", RANKS)):
         assert (r["alarms"], r["errors"], r["final_step"]) == ([], [], 7)
         assert sorted(int(k) for k in r["weights"]) == [4, 5, 6, 7]  # trained on from step 4
+        # the Trainer's fresh DDP would reduce step 4 in its initial bucket layout; the buckets are
+        # settled first, so every step's weights, loss and gradient norm are the uninterrupted run's
+        later = [k for k in u["weights"] if int(k) >= 4]
+        assert u["errors"] == [] and len(later) == 4
+        for record in ("weights", "losses", "grad_norms"):
+            assert {k: r[record][k] for k in later} == {k: u[record][k] for k in later}, record
     # the folder it resumed from (verified first) is in its history, as are its own folders that
     # still exist: 4 and 5 rotated out once the audit at 6 passed
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-7"]

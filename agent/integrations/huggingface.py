@@ -56,12 +56,14 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from .. import checkpoint as file_checkpoint
 from .. import recovery
+from ..buckets import settle_buckets
 from ..checks.exchange import broadcast_json
+from ..checks.replay import replay_mode
 from ..config import Config
 from ..contract.alarm import now_rfc3339
 from ..contract.spool import write_json_atomic
 from ..errors import ConfigurationError
-from ..guard import Guard
+from ..guard import Guard, unwrap
 from ..checkpoint_folder import MANIFEST_NAME, SCHEMA, WEIGHTS_FILE, verify_folder
 from ..checkpoint_folder import hash_folder as _hash_folder
 from ..checkpoint_folder import weights_digest as _weights_digest
@@ -113,6 +115,7 @@ class SdcguardTrainer(Trainer):
         self.guard: Guard | None = None
         self._step: Step | None = None
         self._resumed: tuple[str, dict[str, Any]] | None = None
+        self._settle_pending = False
         self.add_callback(SdcguardCallback(self))
 
     # -- the step ------------------------------------------------------------------------------
@@ -122,6 +125,8 @@ class SdcguardTrainer(Trainer):
         """The Trainer's micro-batch (forward, loss scaling, backward) as ``s.backward``; after the
         last micro-batch of the optimizer step, ``s.check()``. Returns what the Trainer's own
         ``training_step`` returns: the loss as it was backpropagated, detached."""
+        if self._settle_pending and (self.guard is None or self.guard.model is not model):
+            self._settle_buckets(model, inputs, num_items_in_batch)
         guard = self._guard_for(model)
         if self._step is None:
             self._step = guard.step(self.state.global_step + 1, micro_batches=self.current_gradient_accumulation_steps)
@@ -152,8 +157,10 @@ class SdcguardTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's ``train``; a ``checkpoint-N`` folder to resume from is verified against its
         manifest first (``CheckpointError`` on every rank, before the Trainer reads it), and the
-        run inherits what it had verified, so an alarm can name a folder from before it."""
+        run inherits what it had verified, so an alarm can name a folder from before it; DDP's
+        buckets are settled on the first micro-batch (``sdcguard.settle_buckets``)."""
         self._resumed = None
+        self._settle_pending = bool(resume_from_checkpoint)
         if resume_from_checkpoint:
             folder = (get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True
                       else os.fspath(resume_from_checkpoint))
@@ -166,6 +173,24 @@ class SdcguardTrainer(Trainer):
         except BaseException as exc:
             self._end_step(exc)  # a step still open (an error between check and update) ends failed
             raise
+
+    def _settle_buckets(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> None:
+        """A resumed run: one throw-away pass through DDP on its first micro-batch
+        (``sdcguard.settle_buckets``, outside any check, faults and metrics off as in a replay), so
+        that its first step reduces in the bucket layout the uninterrupted run had by then (the
+        Trainer wraps a fresh DDP); then the Guard is built."""
+        self._settle_pending = False
+        ddp, _, _ = unwrap(model)
+        if ddp is None:
+            return
+        model.train()
+        micro = {"inputs": self._prepare_inputs(inputs), "num_items_in_batch": num_items_in_batch}
+        sync, ddp.require_backward_grad_sync = ddp.require_backward_grad_sync, True  # also under no_sync
+        try:
+            with replay_mode():
+                settle_buckets(model, self.sdcguard_loss, micro)
+        finally:
+            ddp.require_backward_grad_sync = sync
 
     def _end_step(self, failed: BaseException | None) -> None:
         s, self._step = self._step, None
