@@ -14,6 +14,10 @@ The user keeps the backward weighting, clipping, the optimizer and scaler calls,
 forward RNG seed, the buffers each forward saw). An optimizer step taken before ``check()`` passed
 is refused with :class:`~sdcguard.errors.UncheckedUpdate` (the Guard holds a step pre-hook on the
 optimizer), never silently unchecked.
+
+A framework that runs the forward and the backward itself (Lightning's ``training_step`` and
+``backward``) records them with :meth:`Step.forward` and :meth:`Step.backward_pass` instead of
+``s.backward``, which is built from the same two pieces.
 """
 from __future__ import annotations
 
