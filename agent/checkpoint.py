@@ -290,8 +290,9 @@ class UnsafeGlobals(CheckpointError):
         self.names = names
         super().__init__(f"{path} matches its manifest but holds objects torch.load(weights_only=True) does not "
                          f"build: {', '.join(names)}. If you trust them, allow exactly those "
-                         "(sdcguard verify-checkpoint --allow-global NAME; in Python, allow_globals= or "
-                         "torch.serialization.safe_globals)")
+                         "(sdcguard verify-checkpoint --allow-global NAME; in Python, "
+                         "verify_checkpoint(allow_globals=[...]) or the load inside a "
+                         "torch.serialization.safe_globals([...]) block)")
 
 
 def _verified_state(path: Path, manifest: dict[str, Any], map_location: Any, weights_only: bool,
