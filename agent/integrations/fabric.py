@@ -40,6 +40,7 @@ custom ``CheckpointIO`` (sdcguard writes the file itself).
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from typing import Any, Callable
@@ -103,6 +104,9 @@ def fabric_guard(fabric: Fabric, model: _FabricModule, optimizer: Any,
     guard = Guard(model._forward_module, optimizer, fabric_loss, config=config,
                   scaler=getattr(precision, "scaler", None), **guard_kwargs)
     _Checkpoints(guard, strategy, expect_step, expect_sha256).install()
+    # A Fabric loop has no end-of-training hook, and the Guard's own exit flush holds it weakly:
+    # a guard local to a function that returned would never write its last statistics.
+    atexit.register(guard.close)
     return guard
 
 
