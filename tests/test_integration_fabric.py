@@ -4,10 +4,11 @@
                  and train.py (8 steps, accumulation 2, clipping, a cosine schedule, fabric.save every
                  4 steps to one path), a run resumed through fabric.load from the checkpoint the
                  Guard kept, a tampered copy and a checkpoint of another step refused, and a
-                 bf16-mixed pair with audits (~20-30 s).
+                 pair with audits for each of bf16-mixed, 16-mixed and bf16-true (~15-25 s).
   refusals       what the integration cannot check, in this process (no process group).
   matrix (slow)  3 ranks, one job: each of the nine fault kinds in its own short run, and a run
-                 saving every step whose alarm names the checkpoint the Guard kept (~30-60 s).
+                 saving every step whose alarm names the checkpoint the Guard kept, and a
+                 resumed run bit for bit the uninterrupted one on 3 ranks (~20-40 s).
 """
 import json
 import os
@@ -23,6 +24,7 @@ from sdcguard.faults.spec import KINDS
 ROOT = Path(__file__).resolve().parent.parent
 COMMON = ["--steps", "8", "--accum", "2", "--save-every", "4", "--max-grad-norm", "0.1"]
 CHECKS = {"SDCGUARD_AUDIT_EVERY": "2", "SDCGUARD_WEIGHT_CHECK_EVERY": "1"}
+PRECISIONS = ["bf16-mixed", "16-mixed", "bf16-true"]
 
 
 def torchrun(ranks, out, plan):
@@ -53,7 +55,6 @@ def alarms(spool):
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("fabric")
     kept = out / "clean" / "ckpt.sdcguard-step3.pt"
-    bf16 = ["--precision", "bf16-mixed", "--steps", "4"]
     torchrun(2, out, [
         run(out, "plain", "plain", *COMMON),
         run(out, "clean", "train", *COMMON, env=CHECKS),
@@ -62,8 +63,8 @@ def job(tmp_path_factory):
         {"tamper": str(out / "clean" / "ckpt.pt"), "copy_to": str(out / "tampered")},
         run(out, "tampered", "train", *COMMON, "--resume", out / "tampered" / "ckpt.pt", env=CHECKS),
         run(out, "other-step", "train", *COMMON, "--resume", out / "clean" / "ckpt.pt", "--expect-step", 3, env=CHECKS),
-        run(out, "bf16", "train", *bf16, env=CHECKS),
-        run(out, "bf16-plain", "plain", *bf16),
+        *[run(out, f"{precision}{suffix}", script, "--precision", precision, "--steps", 4, env=env)
+          for precision in PRECISIONS for suffix, script, env in (("", "train", CHECKS), ("-plain", "plain", None))],
     ])
     return out
 
@@ -84,12 +85,14 @@ def test_clean_run_is_bitwise_the_plain_fabric_loop(job):
 
 
 @pytest.mark.multiprocess
-def test_bf16_mixed_replays_run_fabrics_autocast(job):
-    # the replays run under Fabric's precision plugin too: audits pass, bit for bit the plain loop
-    for g, p in zip(results(job / "bf16", 2), results(job / "bf16-plain", 2)):
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_replays_run_under_fabrics_precision(job, precision):
+    # the replays run under Fabric's precision plugin too (autocast, bfloat16 weights, 16-mixed's
+    # GradScaler): audits pass, bit for bit the plain loop
+    for g, p in zip(results(job / precision, 2), results(job / f"{precision}-plain", 2)):
         assert (g["alarms"], g["errors"], g["final_step"]) == ([], [], 3)
         assert g["weights"] == p["weights"] and g["losses"] == p["losses"]
-    stats = json.loads((job / "bf16" / "spool" / "stats" / "rank-1.json").read_text())
+    stats = json.loads((job / precision / "spool" / "stats" / "rank-1.json").read_text())
     assert stats["checks"]["replay"]["runs"] == 2 and stats["last_verified_step"] == 2
 
 
@@ -180,6 +183,10 @@ MATRIX = {
 def matrix(tmp_path_factory):
     out = tmp_path_factory.mktemp("fabricfaults")
     plan = [run(out, kind, "train", "--steps", "4", "--inject", spec, env=CHECKS) for kind, (spec, _, _) in MATRIX.items()]
+    kept = out / "uninterrupted" / "ckpt.sdcguard-step3.pt"
+    plan.append(run(out, "uninterrupted", "train", *COMMON, env=CHECKS))
+    plan.append(run(out, "resumed", "train", *COMMON, "--resume", kept, "--expect-step", 3,
+                    "--expect-sha256", f"sha256-of:{kept}", env=CHECKS))
     plan.append(run(out, "kept", "train", "--steps", "6", "--save-every", "1", "--inject", "grad-bitflip:rank=1:step=4",
                     env=CHECKS))
     torchrun(RANKS, out, plan)
@@ -214,3 +221,14 @@ def test_an_alarm_names_the_checkpoint_the_guard_kept(matrix):
     assert alarm["last_good_checkpoint_kept_from"] == str(out / "ckpt.pt")
     verify_checkpoint(alarm["last_good_checkpoint"], expect_step=2, expect_sha256=alarm["last_good_checkpoint_sha256"])
     assert verify_checkpoint(out / "ckpt.pt").step == 3  # no save after the alarm
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_resumed_run_on_three_ranks_settles_ddps_buckets_and_goes_on_bitwise(matrix):
+    # with three ranks the ring all-reduce's sums depend on DDP's bucket layout: settle_with= puts
+    # the resumed run in the layout the original run had by then
+    for c, r in zip(results(matrix / "uninterrupted", RANKS), results(matrix / "resumed", RANKS)):
+        assert (r["alarms"], r["errors"], r["start"], r["final_step"]) == ([], [], 4, 7)
+        assert r["weights"] == {k: v for k, v in c["weights"].items() if int(k) >= 4}
+        assert r["losses"] == {k: v for k, v in c["losses"].items() if int(k) >= 4}

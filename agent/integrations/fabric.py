@@ -56,6 +56,8 @@ from lightning.fabric.strategies import (DataParallelStrategy, DDPStrategy, Deep
 from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 
 from .. import checkpoint as ckpt
+from ..buckets import settle_buckets
+from ..checks.replay import replay_mode
 from ..checks.weights import fingerprint_weights
 from ..config import Config
 from ..errors import ConfigurationError
@@ -72,14 +74,19 @@ may change the backward)."""
 
 def fabric_guard(fabric: Fabric, model: _FabricModule, optimizer: Any,
                  loss_fn: Callable[[Any, Any], torch.Tensor], *, config: Config | None = None,
-                 expect_step: int | None = None, expect_sha256: str | None = None, **guard_kwargs: Any) -> Guard:
+                 expect_step: int | None = None, expect_sha256: str | None = None, settle_with: Any = None,
+                 **guard_kwargs: Any) -> Guard:
     """The Guard for the model and optimizer ``fabric.setup`` returned (every rank calls it).
 
     ``loss_fn(module, micro)``: the forward and the loss, as your loop computes them with the
     Fabric model (``module(x)`` runs under Fabric's precision). ``config``: default
     ``Config.from_env()``. ``expect_step`` / ``expect_sha256``: the alarm's
     ``last_good_checkpoint_step`` / ``_sha256`` when this run resumes from that file; a
-    ``fabric.load`` of any other is refused. Other keyword arguments go to :class:`Guard`
+    ``fabric.load`` of any other is refused. ``settle_with``: when resuming, any micro-batch of
+    the usual shape: one throw-away pass through DDP (``sdcguard.settle_buckets``, faults and
+    metrics off as in a replay) before the Guard exists, so the first resumed step reduces in the
+    bucket layout the original run had and the run goes on bit for bit as the uninterrupted one
+    would. Other keyword arguments go to :class:`Guard`
     (``reduce_hook`` / ``reduce_state``: your own DDP reduction). From here on ``fabric.save`` and
     ``fabric.load`` go through the Guard (module docstring)."""
     strategy = fabric.strategy
@@ -101,6 +108,9 @@ def fabric_guard(fabric: Fabric, model: _FabricModule, optimizer: Any,
             view = views[id(module)] = _PrecisionForward(module, precision, model.module)
         return loss_fn(view, micro)
 
+    if settle_with is not None:
+        with replay_mode():
+            settle_buckets(model._forward_module, fabric_loss, settle_with)
     guard = Guard(model._forward_module, optimizer, fabric_loss, config=config,
                   scaler=getattr(precision, "scaler", None), **guard_kwargs)
     _Checkpoints(guard, strategy, expect_step, expect_sha256).install()

@@ -98,6 +98,11 @@ class Harness:
         self.module = model.module
         self.injector.install(self.module, optimizer.optimizer, site=SITE, param=PARAM)
 
+    def settle_batch(self, loader: Any) -> Any:
+        """For a resumed train.py: a micro-batch of the usual shape (its loader's first, drawn
+        without advancing Fabric's epoch count), else None."""
+        return next(iter(loader._dataloader)) if self.args.resume else None
+
     def batches(self, loader: Any, start: int) -> Iterator[list[Any]]:
         """``--accum`` micro-batches per step, epoch after epoch; a resumed run skips the steps it has."""
         seen, pending = 0, []

@@ -38,8 +38,8 @@ def main(argv=None, teardown=True):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
     model, optimizer = fabric.setup(model, optimizer)
-    guard = fabric_guard(fabric, model, optimizer, loss_fn, expect_step=args.expect_step, expect_sha256=args.expect_sha256, reduce_hook=harness.reduce_hook)
     loader = fabric.setup_dataloaders(build_loader(args))
+    guard = fabric_guard(fabric, model, optimizer, loss_fn, expect_step=args.expect_step, expect_sha256=args.expect_sha256, settle_with=harness.settle_batch(loader), reduce_hook=harness.reduce_hook)
     harness.watch(model, optimizer)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
     with harness.run():
