@@ -420,7 +420,7 @@ class GuardedModelParallelStrategy(_CheckedSteps, ModelParallelStrategy):
 
     def _keep(self, entry: recovery.Checkpoint) -> str | None:
         from ..sharding import dcp
-        return dcp._keep(entry)  # the rename a save over the same directory does
+        return dcp.keep_directory(entry)  # the rename a save over the same directory does
 
 
 def _same_step(path: str, loaded: Mapping[str, Any], step: int) -> None:

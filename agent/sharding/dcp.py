@@ -251,7 +251,7 @@ def _finish(path: Path, staging: Path, reports: list[dict[str, Any]], facts: Fac
             files[name] = dcp_manifest.sha256_file(staging / name)  # .metadata, rank 0's own
     if ".metadata" not in files or set(files) != set(present):
         raise CheckpointError(f"DCP left an unexpected file set in {staging}: {sorted(present)}")
-    kept = _keep(plan.keep) if plan.keep is not None else None
+    kept = keep_directory(plan.keep) if plan.keep is not None else None
     history = facts.history
     # The checkpoints before this one, as the history will list them once this save is recorded.
     after = recovery.after_save(history, plan, recovery.Checkpoint(facts.step, str(path), None), kept)
@@ -278,9 +278,10 @@ def _finish(path: Path, staging: Path, reports: list[dict[str, Any]], facts: Fac
     return manifest["sha256"], kept
 
 
-def _keep(entry: recovery.Checkpoint) -> str | None:
-    """Move the directory of ``entry`` (its path is about to be written again) to its kept name;
-    return that name, or None when the path no longer holds the entry."""
+def keep_directory(entry: recovery.Checkpoint) -> str | None:
+    """Move the directory of ``entry`` (its path is about to be written again, or removed by a
+    framework's rotation) to its kept name; return that name, or None when the path no longer
+    holds the entry."""
     source = Path(entry.path)
     try:
         dcp_manifest.read(source, expect_step=entry.step, expect_sha256=entry.sha256)
