@@ -52,3 +52,25 @@ def test_check_4_is_planned_only_for_fsdp2s_plain_average(tmp_path):
         assert plans == {"fp32": True, "bf16 params, fp32 reduce": True, "fp16 reduce": False}
     finally:
         dist.destroy_process_group()
+
+
+def test_the_one_rank_shard_group_path_is_checked_in_this_torchs_source():
+    # a (R, 1) mesh relies on foreach_reduce's order: input allocated and filled, output allocated
+    # (recorded there), a copy instead of the reduce-scatter, the all-reduce, its hook
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    from sdcguard.sharding.fsdp_internals import order_gaps, single_shard_gaps
+
+    assert single_shard_gaps() == []
+    source = inspect.getsource(_fsdp_collectives.foreach_reduce)
+    assert order_gaps(source) == []
+    # a release that filled the input only after allocating the output would be refused
+    fill = "foreach_reduce_scatter_copy_in(unsharded_grads, reduce_scatter_input, world_size)"
+    assert fill in source
+    moved = source.replace(fill, "").replace("_div_if_needed(reduce_scatter_input, predivide_factor)",
+                                             fill + "\n_div_if_needed(reduce_scatter_input, predivide_factor)")
+    assert order_gaps(moved) and "order" in order_gaps(moved)[0]
+    # one that called the comm for one rank too (no copy) likewise
+    assert order_gaps(source.replace("reduce_output.copy_(reduce_scatter_input", "pass  # ("))

@@ -58,6 +58,8 @@ class ShardLayout:
         return list(self.grid[replica])
 
     def describe(self) -> str:
+        if self.shards == 1:
+            return f"HSDP {self.replicas} replicas x 1 shard (data parallel: every rank holds the whole model)"
         return (f"HSDP {self.replicas} replicas x {self.shards} shards" if self.hsdp
                 else f"FSDP over {self.shards} ranks (one replica)")
 
@@ -88,13 +90,19 @@ class CheckPlan:
 
 
 def plan_checks(layout: ShardLayout, *, reduce_scatter_checked: bool, all_reduce_checked: bool) -> CheckPlan:
-    """Pure: what runs for this mesh (docs/design.md §3, "Sharded models")."""
-    runs = {CHECK_NONFINITE_LOCAL: "each rank's local gradient, before its reduce-scatter; a NaN/Inf is "
+    """Pure: what runs for this mesh (docs/design.md §3, "Sharded models"). With one rank per shard
+    group FSDP2 copies the local gradient instead of reduce-scattering it: the all-reduce is the
+    only reduction (check 4 covers the copy with it)."""
+    first = "reduce-scatter" if layout.shards > 1 else "all-reduce"
+    runs = {CHECK_NONFINITE_LOCAL: f"each rank's local gradient, before its {first}; a NaN/Inf is "
                                    "named by rank and confirmed by the mesh replaying its batch on another node",
             CHECK_REPLAY: "on audit steps every rank replays another node's batch with the whole mesh and compares "
-                          "its local gradient, per unit and micro-batch, with the owner's, before the reduce-scatter"}
+                          f"its local gradient, per unit and micro-batch, with the owner's, before the {first}"}
     off: dict[str, str] = {}
-    if reduce_scatter_checked:
+    if layout.shards == 1:
+        off[f"{CHECK_REDUCE_CHECKSUM} (reduce-scatter)"] = "one rank per shard group: FSDP2 copies the local " \
+                                                           "gradient (no reduce-scatter); the all-reduce check covers the copy"
+    elif reduce_scatter_checked:
         runs[f"{CHECK_REDUCE_CHECKSUM} (reduce-scatter)"] = f"the reduce-scatter of each shard group ({layout.shards} ranks)"
     else:
         off[f"{CHECK_REDUCE_CHECKSUM} (reduce-scatter)"] = "the reduction is not FSDP2's plain average or a plain sum (a " \
@@ -153,6 +161,6 @@ def read_layout(model: torch.nn.Module) -> ShardLayout:
     if seen is None:
         raise TypeError("sdcguard: the FSDP2 model holds no sharded parameters")
     layout = layout_of(seen[0], dist.get_rank())
-    if layout.shards < 2:
-        raise TypeError("sdcguard: a shard dimension of size 1 has no reduce-scatter to check; use DDP")
+    if layout.world_size < 2:
+        raise TypeError("sdcguard: an FSDP2 mesh of one rank has no other rank to check it against")
     return layout

@@ -19,6 +19,17 @@ The reduce-scatter output is the all-reduce's local operand, so its checksum ser
 Faults for tests and drills plug in through ``before_reduce_scatter`` / ``after_reduction``, so
 they strike before the recording, where failing hardware would.
 
+A shard group of one rank (an HSDP mesh ``(R, 1)``: torchtitan's data-parallel-only setting) has
+no reduce-scatter: ``foreach_reduce`` never calls the comm, it copies the filled input into the
+output (divided by a ``gradient_divide_factor``, if set) and all-reduces that across the replicas.
+It still asks the comm for both buffers, in this order: ``allocate(input)``, the copy-in of the
+local gradients, ``allocate(output)``, the copy, the all-reduce, the all-reduce hook
+(``fsdp_internals.single_shard_gaps`` checks that order at start-up). So the second ``allocate``
+is where the input is filled and not yet copied: :class:`RecordingReduceScatter` records it there
+— check 1's norms, check 2's fingerprint, and, as the all-reduce's operand, its checksum (the
+output is a bitwise copy of it) — and the all-reduce hook records the result, so check 4 covers
+the copy and the all-reduce together, exactly DDP's case. There is no reduce-scatter to check.
+
 On audit steps each local input is also fingerprinted (check 2 compares it with another rank's
 replay of this rank's batch); during that replay (``sharding/replay.py``) the same hook records the
 replayed local input into a :class:`ReplayTrace` instead and reduces nothing: the replay's
@@ -81,13 +92,16 @@ class Reduction:
     """The reductions add instead of averaging (a ``gradient_divide_factor`` of 1.0, torchtitan's, or
     forced sum comms; FSDP2 divides after the all-reduce hook, if at all): the recorded outputs are
     ``S`` (reduce-scatter) and ``R`` (all-reduce) times the means check 4 compares."""
+    copied: bool = False
+    """A one-rank shard group: FSDP2 copied the input instead of reduce-scattering it (the recorded
+    output is the input's; ``rs_checked`` is False)."""
 
 
 class ShardedRecorder:
     """State of the recording hooks of every unit: settings first, then one step's records."""
 
-    __slots__ = ("layout", "weights", "units", "before_reduce_scatter", "after_reduction", "user_all_reduce_hooks",
-                 "records", "last", "fingerprints", "micro", "replay")
+    __slots__ = ("layout", "weights", "units", "comms", "before_reduce_scatter", "after_reduction",
+                 "user_all_reduce_hooks", "records", "last", "fingerprints", "micro", "replay")
 
     def __init__(self, layout: ShardLayout, seed: int = 0) -> None:
         # Settings.
@@ -95,6 +109,7 @@ class ShardedRecorder:
         self.weights = ChecksumWeights(seed)
         self.units: list[tuple[str, Any]] = []
         """``(module path, FSDPParamGroup)`` per unit, in module order (the same on every rank)."""
+        self.comms: list[RecordingReduceScatter] = []
         self.before_reduce_scatter: list[TensorHook] = []
         """Run on the local input before it is recorded (fault injection)."""
         self.after_reduction: list[TensorHook] = []
@@ -116,7 +131,9 @@ class ShardedRecorder:
         """Put the recording reduce-scatter (and, for HSDP, the all-reduce hook) on every unit."""
         for unit, (path, module, group) in enumerate(param_groups(model)):
             self.units.append((path, group))
-            module.set_custom_reduce_scatter(RecordingReduceScatter(self, unit, group, group._reduce_scatter_comm))
+            comm = RecordingReduceScatter(self, unit, group, group._reduce_scatter_comm)
+            self.comms.append(comm)
+            module.set_custom_reduce_scatter(comm)
             if self.layout.hsdp:
                 if group._all_reduce_hook is not None:
                     self.user_all_reduce_hooks[unit] = group._all_reduce_hook
@@ -129,6 +146,8 @@ class ShardedRecorder:
         self.last = {}
         self.fingerprints = audit
         self.micro = 0
+        for comm in self.comms:
+            comm.pending = None  # a reduction an exception cut short leaves no half-recorded input
 
     def end_backward(self) -> None:
         """One micro-batch's backward is done (its reduce-scatters have run)."""
@@ -151,6 +170,17 @@ class ShardedRecorder:
         trace = self.replay
         assert trace is not None
         trace.calls.append((unit, trace.micro, fingerprint_sums([flat])[0], squared_norm(flat)))
+
+    def copied_input(self, unit: int, flat: torch.Tensor, group: Any) -> None:
+        """A one-rank shard group's filled input, before FSDP2 copies it into the output and
+        all-reduces that (see the module docstring): recorded as a reduce-scatter whose output is
+        the input itself. The op is the all-reduce's, as FSDP2 chooses it."""
+        if self.replay is not None:
+            self.replayed_input(unit, flat)
+            return
+        record = self.local_input(unit, flat, all_reduce_op(group, flat), group)
+        record.rs_checked, record.copied = False, True
+        record.shard = record.chunks[0]
 
     def local_input(self, unit: int, flat: torch.Tensor, op: Any, group: Any) -> Reduction:
         for hook in self.before_reduce_scatter:
@@ -187,6 +217,10 @@ class ShardedRecorder:
         for hook in self.after_reduction:
             hook(unit, output)
         record = self.last.get(unit)
+        if self.layout.shards == 1 and (record is None or not record.copied or record.replicated is not None):
+            # the second allocate did not see this reduction's input: FSDP2's order changed
+            raise RuntimeError(f"sdcguard: FSDP2 all-reduced unit {unit} without sdcguard recording its local "
+                               "gradient first; this torch's one-rank shard group path is not the one checked")
         if record is None or record.shard is None:
             return
         shard_index = self.layout.coordinates(self.layout.rank)["shard"]
@@ -202,6 +236,18 @@ def plain_sum(op: Any, group: Any, dtype: torch.dtype) -> bool:
             and (op == dist.ReduceOp.SUM or factor == 1.0))
 
 
+def all_reduce_op(group: Any, flat: torch.Tensor) -> Any:
+    """The op of the all-reduce FSDP2 runs after a one-rank shard group's copy (its own choice,
+    ``_get_gradient_divide_factors``): ``AVG`` for its plain average, else ``SUM``."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+
+    info = group.mesh_info
+    return _get_gradient_divide_factors(
+        reduce_scatter_group=info.shard_process_group, all_reduce_group=info.replicate_process_group,
+        reduce_dtype=flat.dtype, device_type=flat.device.type, factor=group.gradient_divide_factor,
+        force_sum_reduction_for_comms=group.force_sum_reduction_for_comms)[3]
+
+
 class RecordingReduceScatter(ReduceScatter):
     """FSDP2's reduce-scatter of one unit, with this rank's input and output recorded."""
 
@@ -212,9 +258,22 @@ class RecordingReduceScatter(ReduceScatter):
         """The unit's FSDPParamGroup (is an all-reduce to follow, and of what)."""
         self.inner = inner
         """The reduce-scatter FSDP2 had (its default one, or the user's custom one)."""
+        self.pending: torch.Tensor | None = None
+        """A one-rank shard group: the input buffer allocated, filled before the next ``allocate``."""
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.inner.allocate(size, dtype=dtype, device=device)
+        buffer = self.inner.allocate(size, dtype=dtype, device=device)
+        if self.recorder.layout.shards == 1:  # no reduce-scatter will be called: record the copy's input
+            if self.pending is None:
+                self.pending = buffer
+            else:
+                flat, self.pending = self.pending, None
+                if flat.numel() != buffer.numel() or flat.dtype != buffer.dtype:
+                    raise RuntimeError(f"sdcguard: unit {self.unit}: FSDP2 allocated {tuple(buffer.shape)} "
+                                       f"{buffer.dtype} after a {tuple(flat.shape)} {flat.dtype} input; this "
+                                       "torch's one-rank shard group path is not the one checked")
+                self.recorder.copied_input(self.unit, flat, self.group)
+        return buffer
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> dist.Work | None:

@@ -48,6 +48,8 @@ class ShardedVerifier:
                  device: torch.device, stats: CheckStats, seed: int) -> None:
         require_supported(model)
         self.layout: ShardLayout = read_layout(model)
+        if self.layout.shards == 1:  # FSDP2 copies instead of reduce-scattering: its order is relied on
+            require_supported(model, single_shard=True)
         self.recorder = ShardedRecorder(self.layout, seed)
         self.recorder.install(model)
         self.topology = topology
