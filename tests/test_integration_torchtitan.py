@@ -12,7 +12,8 @@ torchtitan's clipping, AdamW and LR schedule.
   - checkpoints (slow): sdcguard's manifest beside torchtitan's DCP folders, checked offline; a resume
     verified before torchtitan loads it (bit-identical to torchtitan's own resume), a flipped byte
     refused; an alarm naming the last checkpoint before its window, none written after it;
-  - a mesh sdcguard cannot check (replicate only, shard 1) refused at start-up with the reason (slow).
+  - the replicate-only mesh (data_parallel_shard_degree=1, FSDP2 on a (2, 1) mesh) checked (slow): bit-identical
+    to torchtitan, a NaN in one rank's forward and a corrupted all-reduce caught.
 """
 import json
 import os
@@ -260,9 +261,43 @@ def test_an_alarm_names_the_last_checkpoint_before_its_window(checkpoint_runs):
     assert not (checkpoint_runs["root"] / "fault" / "checkpoint" / "step-4").exists()  # not saved after the alarm
 
 
+@pytest.fixture(scope="module")
+def replicate_only(tmp_path_factory):
+    """torchtitan's data-parallel-only mesh (data_parallel_replicate_degree=2, shard degree 1: FSDP2 on a
+    (2, 1) mesh, copying each rank's gradient and all-reducing it): guarded and plain side by side,
+    and a run with a NaN in rank 1's forward and a scaled element of the all-reduced gradient."""
+    root = tmp_path_factory.mktemp("titan-replicate")
+    flags = ["--replicate", "2", "--shard", "1", "--accum", "2", "--steps", "4", "--audit-every", "2",
+             "--weight-check-every", "1"]
+    faults = [*flags[:-4], "--audit-every", "1", "--weight-check-every", "1", "--keep-going",
+              "--inject", "forward-nan:rank=1:step=1", "--inject", "reduce-scale:rank=0:step=2:magnitude=1000"]
+    procs = {"guarded": _start("train.py", root / "guarded", 2, *flags),
+             "plain": _start("train_plain.py", root / "plain", 2, *flags),
+             "faults": _start("train.py", root / "faults", 2, *faults)}
+    return {name: _finish(root / name, proc, 2) for name, proc in procs.items()}
+
+
 @pytest.mark.slow
-def test_a_replicate_only_mesh_is_refused_with_the_reason(tmp_path):
-    run = _finish(tmp_path, _start("train.py", tmp_path, 2, "--replicate", "2", "--shard", "1", "--steps", "1"),
-                  2, ok=False)
-    assert run["returncode"] != 0
-    assert "sdcguard cannot check this torchtitan job: data_parallel_shard_degree=1" in run["output"]
+def test_a_replicate_only_mesh_is_checked_and_bit_identical_to_torchtitan(replicate_only):
+    guarded, plain = replicate_only["guarded"]["results"], replicate_only["plain"]["results"]
+    assert len(guarded) == len(plain) == 2
+    for g, p in zip(guarded, plain):
+        assert (g["error"], g["alarms"], g["step"]) == (None, [], 4)
+        assert g["weights_digest"] == p["weights_digest"] and g["losses"] == p["losses"]
+        assert (g["last_audited"], g["last_weights_verified"], g["last_reduction_verified"]) == (4, 4, 4)
+    assert guarded[0]["weights_digest"] == guarded[1]["weights_digest"]  # each rank holds the whole model
+    plan = "\n".join(guarded[0]["plan"])
+    assert "HSDP 2 replicas x 1 shard" in plan
+    for check in ("nonfinite-local", "replay", "weights", "reduce-checksum (all-reduce)"):
+        assert f"runs {check}:" in plan  # torchtitan's summed all-reduce (divide factor 1.0) is checked as one
+    assert "does not run reduce-checksum (reduce-scatter): one rank per shard group" in plan
+
+
+@pytest.mark.slow
+def test_faults_on_a_replicate_only_mesh_are_caught_naming_the_rank(replicate_only):
+    run = replicate_only["faults"]
+    expected = [("nonfinite-local", 1, [1]), ("reduce-checksum", 2, [])]
+    for r in run["results"]:
+        assert [(a["check"], a["step"], a["suspect_ranks"]) for a in r["alarms"]] == expected
+        assert [e["step"] for e in r["errors"]] == [1, 2]
+    assert sorted((a["check"], a["step"], a["suspect_ranks"]) for a in run["alarms"]) == sorted(expected)

@@ -365,12 +365,12 @@ def _require_checkable(trainer: Trainer) -> None:
                          ("context_parallel_degree", dims.cp), ("expert_parallel_degree", dims.ep)):
         if degree > 1:
             problems.append(f"{name}={degree} (only data parallelism is checked)")
-    if dims.dp_shard <= 1:
-        problems.append(
-            f"data_parallel_shard_degree={dims.dp_shard}: torchtitan applies fully_shard over a one-rank shard "
-            "group, where FSDP2 copies the gradient instead of reduce-scattering it, so no rank's local gradient "
-            "passes a hook sdcguard can read (use data_parallel_shard_degree >= 2: FSDP, or HSDP with "
-            "data_parallel_replicate_degree > 1)")
+    # data_parallel_shard_degree=1 is checked too: torchtitan then applies fully_shard over a
+    # (dp_replicate, 1) mesh, where FSDP2 copies each rank's gradient and all-reduces the copy
+    # (sharding/reduce_record.py records the copy's input)
+    if dims.dp_shard * dims.dp_replicate < 2:
+        problems.append(f"data parallel degree {dims.dp_shard * dims.dp_replicate} (one data-parallel rank has "
+                        "no other to check it against)")
     if len(trainer.model_parts) != 1:
         problems.append(f"{len(trainer.model_parts)} model parts")
     if problems:
