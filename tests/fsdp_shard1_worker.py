@@ -11,7 +11,9 @@ Each scenario writes OUT/<scenario>-rank<r>.json:
   faults   audited every step, one fault per step: a NaN in rank 1's forward (check 1 names it,
            the replay does not reproduce it), a flipped bit in rank 1's backward (check 2), a scaled
            element of rank 0's all-reduced gradient (check 4), a flipped bit in the last rank's
-           weights (check 3), a NaN in rank 0's data (reproduced: no alarm), then a clean step;
+           weights (check 3), a NaN in rank 0's data (reproduced: no alarm), a NaN in rank 1's
+           all-reduced gradient (check 1: no local gradient had it), a scaled element of rank 0's
+           updated weights (check 3), then a clean step;
   long     (``long`` argument) STEPS_LONG audited steps with check 3 every step, against plain
            FSDP2: no alarm, bit for bit.
 """
@@ -41,7 +43,9 @@ def specs(world):
     return ["forward-nan:rank=1:step=0:site=hid:element=3",                 # check 1: rank 1's local gradient
             "grad-bitflip:rank=1:step=1:element=5",                          # check 2: rank 1's backward
             "reduce-scale:rank=0:step=2:param=hid.weight:magnitude=1e3",     # check 4: rank 0's all-reduce output
-            f"weight-bitflip:rank={world - 1}:step=3:element=2"]             # check 3: the last rank's replica
+            f"weight-bitflip:rank={world - 1}:step=3:element=2",             # check 3: the last rank's replica
+            "reduce-nan:rank=1:step=5:param=hid.weight:element=4",           # check 1: NaN after the all-reduce
+            "optimizer-scale:rank=0:step=6:element=1"]                       # check 3: rank 0's update
 
 
 def faults(mesh, rank, out, world):
@@ -51,7 +55,7 @@ def faults(mesh, rank, out, world):
     injector = ShardedFaultInjector(specs(world), rank)
     injector.install(guard, param="out.weight")
     seen = {}
-    for step in range(6):
+    for step in range(8):
         injector.begin_step(step)
         before = shards_digest(model)
         micro = [batch(step, rank, i) for i in range(MICRO)]

@@ -100,9 +100,13 @@ def test_each_fault_on_three_replicas_is_caught_naming_its_rank(three):
     weights = _alarm(results, 3, weights=True)                 # check 3: three replicas, one named
     assert (weights["check"], weights["suspect_ranks"], weights["ambiguous"]) == ("weights", [2], False)
     assert weights["evidence"]["coordinates"] == {"2": {"replica": 2, "shard": 0}}
+    reduced = _alarm(results, 5)                               # a NaN no local gradient had
+    assert (reduced["check"], reduced["suspect_ranks"]) == ("nonfinite-reduced", [])
+    update = _alarm(results, 6, weights=True)                  # check 3 after rank 0's update
+    assert (update["check"], update["suspect_ranks"], update["ambiguous"]) == ("weights", [0], False)
     for r in results:
         assert r["steps"]["4"] == {"nonfinite": {"0": 1}, "confirmed": True, "applied": False}  # the data's NaN
-        assert r["steps"]["5"] == {"ok": True, "applied": True} and r["audited"] == 5
+        assert r["steps"]["7"] == {"ok": True, "applied": True} and r["audited"] == 7
     assert results[0]["spooled"]
 
 
@@ -119,8 +123,10 @@ def test_two_replicas_of_one_shard_clean_and_faults(two):
     assert reduce["check"] == "reduce-checksum" and [g["shard"] for g in reduce["evidence"]["groups"]["all_reduce"]] == [0]
     weights = _alarm(results, 3, weights=True)                 # two replicas: both named, ambiguous
     assert (weights["check"], weights["suspect_ranks"], weights["ambiguous"]) == ("weights", [0, 1], True)
+    update = _alarm(results, 6, weights=True)
+    assert (update["check"], update["suspect_ranks"], update["ambiguous"]) == ("weights", [0, 1], True)
     for r in results:
-        assert r["steps"]["5"] == {"ok": True, "applied": True}
+        assert r["steps"]["7"] == {"ok": True, "applied": True}
 
 
 @pytest.mark.slow
