@@ -2,7 +2,7 @@
 
 One torchrun launch runs several of the example's scripts in turn (tests/lightning_fsdp_worker.py):
 
-  quick (make test)  pure FSDP over 4 ranks (Lightning's data_parallel mesh): train.py clean (2 epochs =
+  quick (slow)  pure FSDP over 4 ranks (Lightning's data_parallel mesh): train.py clean (2 epochs =
       6 steps of 2 micro-batches, clipping, a step LR schedule, audits at 0 and 4), train_plain.py
       (ModelParallelStrategy) the same, train.py with a flipped gradient bit on rank 2 at the audit of step 4.
   hsdp (slow)  HSDP 2 x 2 (configure_model builds the (replicate, shard) mesh): clean and plain
@@ -113,6 +113,7 @@ def test_tensor_parallelism_and_fsdp1_are_refused():
         GuardedFSDPStrategy()
 
 
+@pytest.mark.slow  # a 4-rank launch pair: `make test` stays under its budget
 def test_pure_fsdp_clean_run_is_bitwise_the_plain_model_parallel_run(quick):
     clean = quick["clean"]
     _bitwise(clean, quick["plain"], 6)
@@ -122,6 +123,7 @@ def test_pure_fsdp_clean_run_is_bitwise_the_plain_model_parallel_run(quick):
         assert s["last_verified_step"] is None or s["last_verified_step"] <= 5
 
 
+@pytest.mark.slow  # a 4-rank launch pair: `make test` stays under its budget
 def test_pure_fsdp_checkpoints_are_verified_dcp_directories(quick):
     ckpts = quick["clean"]["out"] / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["epoch=1-step=6.ckpt", "last.ckpt"]
@@ -133,6 +135,7 @@ def test_pure_fsdp_checkpoints_are_verified_dcp_directories(quick):
         assert cli.main(["verify-checkpoint", str(ckpts / name), "--step", "4"]) == 1
 
 
+@pytest.mark.slow  # a 4-rank launch pair: `make test` stays under its budget
 def test_pure_fsdp_gradient_bitflip_is_caught_by_the_audit_naming_the_rank(quick):
     alarm = _the_alarm(quick["bitflip"])
     assert (alarm["check"], alarm["step"], alarm["suspect_ranks"], alarm["ambiguous"]) == ("replay", 4, [2], False)

@@ -3,7 +3,7 @@ in-code tokenizer and random-token data; examples/torchtitan/) on 4 CPU ranks ov
 (data_parallel_replicate_degree=2 x data_parallel_shard_degree=2), 2 micro-batches per step,
 torchtitan's clipping, AdamW and LR schedule.
 
-  - clean: examples/torchtitan/train.py (GuardedTrainer) against train_plain.py (torchtitan's
+  - clean (slow): examples/torchtitan/train.py (GuardedTrainer) against train_plain.py (torchtitan's
     Trainer), started together: every rank's final shards and every step's loss bit-identical,
     checks 1, 2 and 3 ran and passed, and check 3 ran before the checkpoints torchtitan wrote;
   - faults (slow): every kind of sdcguard.faults.spec planted in a run, each caught by its check
@@ -64,6 +64,7 @@ def clean(tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow  # a 4-rank launch pair: `make test` stays under its budget
 def test_clean_run_is_bit_identical_to_torchtitan_without_sdcguard(clean):
     guarded, plain = clean["guarded"]["results"], clean["plain"]["results"]
     assert len(guarded) == len(plain) == 4
@@ -77,6 +78,7 @@ def test_clean_run_is_bit_identical_to_torchtitan_without_sdcguard(clean):
     assert clean["guarded"]["alarms"] == []
 
 
+@pytest.mark.slow  # a 4-rank launch pair: `make test` stays under its budget
 def test_every_check_ran_on_torchtitans_mesh_and_before_its_checkpoints(clean):
     for g in clean["guarded"]["results"]:
         assert (g["last_audited"], g["last_weights_verified"]) == (6, 6)
