@@ -1,6 +1,9 @@
-"""Runs examples/lightning's scripts one after another in one torchrun job (tests/test_integration_lightning.py).
+"""Runs an example's scripts one after another in one torchrun job (tests/test_integration_lightning.py,
+tests/test_integration_lightning_fsdp.py).
 
-    torchrun --nproc_per_node=3 tests/lightning_worker.py PLAN.json
+    torchrun --nproc_per_node=3 tests/lightning_worker.py PLAN.json [EXAMPLE]
+
+EXAMPLE is the folder under examples/ (default ``lightning``; ``lightning_fsdp``).
 
 PLAN is a list of ``{"script": "train.py" | "train_plain.py", "flags": [...]}``, optionally with
 ``"resume_as_alarmed": OUT`` (resume as the alarm of an earlier run in OUT says: its
@@ -18,7 +21,7 @@ import sys
 
 import torch.distributed as dist
 
-EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "lightning")
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
 def resume_flags(out: str | None) -> list[str]:
@@ -33,9 +36,10 @@ def resume_flags(out: str | None) -> list[str]:
 def main() -> None:
     with open(sys.argv[1]) as fh:
         plan = json.load(fh)
+    example = os.path.join(EXAMPLES, sys.argv[2] if len(sys.argv) > 2 else "lightning")
     outcomes = []
     for run in plan:
-        script = os.path.join(EXAMPLE, run["script"])
+        script = os.path.join(example, run["script"])
         flags = run["flags"]
         os.environ["SDCGUARD_SPOOL"] = os.path.join(flags[flags.index("--out") + 1], "spool")
         sys.argv = [script, *flags, *resume_flags(run.get("resume_as_alarmed"))]

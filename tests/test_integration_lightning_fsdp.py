@@ -1,6 +1,6 @@
 """GuardedModelParallelStrategy under torchrun: examples/lightning_fsdp on 4 gloo ranks (one process each).
 
-One torchrun launch runs several of the example's scripts in turn (tests/lightning_fsdp_worker.py):
+One torchrun launch runs several of the example's scripts in turn (tests/lightning_worker.py):
 
   quick (slow)  pure FSDP over 4 ranks (Lightning's data_parallel mesh): train.py clean (2 epochs =
       6 steps of 2 micro-batches, clipping, a step LR schedule, audits at 0 and 4), train_plain.py
@@ -53,7 +53,7 @@ def run_plan(tmp: Path, plan: list[tuple[str, dict]]) -> dict[str, dict]:
         entries.append(entry)
     (tmp / "plan.json").write_text(json.dumps(entries))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
-                           str(ROOT / "tests" / "lightning_fsdp_worker.py"), str(tmp / "plan.json")],
+                           str(ROOT / "tests" / "lightning_worker.py"), str(tmp / "plan.json"), "lightning_fsdp"],
                           capture_output=True, text=True, timeout=600, env=_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return {name: _read(tmp / name) for name, _ in plan}
