@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.emulator, pytest.mark.operator]
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 
 
+@pytest.mark.slow  # a 30 s soak: in make test-slow, which CI runs too
 def test_chaos_soak_short(tmp_path: pathlib.Path) -> None:
     import chaos_soak
 

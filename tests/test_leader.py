@@ -203,6 +203,7 @@ def kubernetes_lease(emulator):
         "sdcguard-operator", "default")
 
 
+@pytest.mark.slow  # 60 s of lease expiry: in make test-slow, which CI runs too
 def test_a_leader_whose_kopf_watcher_fails_hands_the_lease_over_and_exits(make_world):
     # kopf does not restart a watcher that failed for good (here: a 403 on the LIST of incidents,
     # as after an RBAC change); the leader must not go on holding the Lease with dead watches.
