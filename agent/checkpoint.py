@@ -18,7 +18,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -102,14 +102,17 @@ def manifest_step(known: int | None, given: int | None, path: Any) -> int:
     return known
 
 
-def resumed_history(path: str | os.PathLike[str], manifest: Mapping[str, Any]) -> recovery.History:
+def resumed_history(path: str | os.PathLike[str], manifest: Mapping[str, Any], *,
+                    still_holds: Callable[[str, int, str | None], bool] | None = None) -> recovery.History:
     """What a run resumed from ``path`` inherits: the verification its manifest recorded and the
-    earlier checkpoints it lists that still hold their step (a path written again holds another)."""
+    earlier checkpoints it lists that still hold their step (a path written again holds another).
+    ``still_holds(path, step, sha256)`` checks one of those (default: a file and its manifest)."""
+    holds = still_holds if still_holds is not None else _still_holds
     step = int(manifest["step"])
     audited = manifest.get("audited_step")
     earlier = [recovery.Checkpoint(int(c["step"]), str(c["path"]), c.get("audited_step"), c.get("sha256"),
                                    c.get("kept_from"))
-               for c in manifest.get("earlier_checkpoints") or [] if _still_holds(c["path"], c["step"], c.get("sha256"))]
+               for c in manifest.get("earlier_checkpoints") or [] if holds(c["path"], c["step"], c.get("sha256"))]
     return recovery.History(
         last_audited_step=audited, last_weights_verified_step=step,
         last_reduction_verified_step=manifest.get("reduction_verified_step"),

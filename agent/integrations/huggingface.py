@@ -211,7 +211,7 @@ class SdcguardTrainer(Trainer):
                                           reduce_state=self.sdcguard_reduce_state)
             if self._resumed is not None:
                 folder, manifest = self._resumed
-                self.guard.history = _resumed_history(folder, manifest)
+                self.guard.history = file_checkpoint.resumed_history(folder, manifest, still_holds=_still_holds)
                 self.guard.verifier.last_weights_digest = manifest["weight_digest"]
                 self.guard.gate.resumed_at(int(manifest["step"]))
         return self.guard
@@ -369,20 +369,10 @@ def _nameable(history: recovery.History) -> list[recovery.Checkpoint]:
     return named
 
 
-def _resumed_history(folder: str, manifest: Mapping[str, Any]) -> recovery.History:
-    """What a run resumed from ``folder`` inherits (as ``checkpoint.resumed_history`` for files):
-    the verification its manifest recorded and the earlier folders that still hold their step."""
-    step, audited = int(manifest["step"]), manifest.get("audited_step")
-    earlier = [recovery.Checkpoint(int(c["step"]), str(c["path"]), c.get("audited_step"), c.get("sha256"))
-               for c in manifest.get("earlier_checkpoints") or [] if _still_holds(c)]
-    return recovery.History(last_audited_step=audited, last_weights_verified_step=step,
-                            last_reduction_verified_step=manifest.get("reduction_verified_step"),
-                            checkpoints=[*earlier, recovery.Checkpoint(step, folder, audited, manifest["sha256"])])
-
-
-def _still_holds(entry: Mapping[str, Any]) -> bool:
+def _still_holds(path: str, step: int, sha256: str | None) -> bool:
+    """Whether an earlier ``checkpoint-N`` folder a manifest lists still holds its step."""
     try:
-        verify_folder(entry["path"], expect_step=entry["step"], expect_sha256=entry.get("sha256"))
+        verify_folder(path, expect_step=step, expect_sha256=sha256)
         return True
     except (file_checkpoint.CheckpointError, OSError, ValueError, KeyError):
         return False
