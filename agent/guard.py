@@ -319,9 +319,7 @@ class Guard:
             manifest, digest = dcp.load(path, **self._sharded_parts(state, model_key), layout=self.verifier.layout,
                                         expect_step=expect_step, expect_sha256=expect_sha256)
             step = int(manifest["step"])
-            self.history = dcp.resumed_history(path, manifest)
-            self.verifier.last_weights_digest = digest if manifest.get("weights_verified") else None
-            self.gate.resumed_at(step)
+            self.resumed(step, dcp.resumed_history(path, manifest), digest if manifest.get("weights_verified") else None)
             return step
         if state is not None:
             raise TypeError("load_checkpoint(state=) is for sharded models; with DDP, sdcguard.load_checkpoint(path, "
@@ -331,10 +329,16 @@ class Guard:
                                    map_location=_param_device(self.module), model_key=model_key,
                                    expect_step=int(manifest["step"]), expect_sha256=manifest["sha256"])
         step = int(manifest["step"])
-        self.history = checkpoint.resumed_history(path, manifest)
-        self.verifier.last_weights_digest = manifest["weight_digest"]
-        self.gate.resumed_at(step)
+        self.resumed(step, checkpoint.resumed_history(path, manifest), manifest["weight_digest"])
         return step
+
+    def resumed(self, step: int, history: recovery.History, weights_digest: str | None) -> None:
+        """The run starts from a checkpoint of ``step`` that the caller loaded and verified (a
+        framework's own load): it inherits that checkpoint's ``history``, check 3's next
+        comparison starts from ``weights_digest``, and the update count from ``step``."""
+        self.history = history
+        self.verifier.last_weights_digest = weights_digest
+        self.gate.resumed_at(step)
 
     # -- the phases of a step (called by Step) -------------------------------------------------
 

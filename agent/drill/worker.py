@@ -252,9 +252,9 @@ def _restore(snapshot: Snapshot, job: Trainer) -> int:
     job.model.load_state_dict(snapshot.model)
     job.optimizer.load_state_dict(copy.deepcopy(snapshot.optimizer))
     if snapshot.step >= 0:
-        job.guard.gate.resumed_at(snapshot.step)
-        job.guard.history = History(last_audited_step=snapshot.audited_step, last_weights_verified_step=snapshot.step,
-                                    last_reduction_verified_step=snapshot.reduction_verified_step)
+        job.guard.resumed(snapshot.step, History(last_audited_step=snapshot.audited_step,
+                                                 last_weights_verified_step=snapshot.step,
+                                                 last_reduction_verified_step=snapshot.reduction_verified_step), None)
     return snapshot.step
 
 

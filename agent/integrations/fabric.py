@@ -229,9 +229,7 @@ class _Checkpoints:
         self._agree(None if found == manifest["weight_digest"] else
                     f"the weights Fabric loaded have digest {found}, {path}'s manifest says {manifest['weight_digest']}")
         step = int(manifest["step"])
-        guard.history = ckpt.resumed_history(path, manifest)
-        guard.verifier.last_weights_digest = manifest["weight_digest"]
-        guard.gate.resumed_at(step)
+        guard.resumed(step, ckpt.resumed_history(path, manifest), manifest["weight_digest"])
         return loaded
 
     def _manifest(self, path: str) -> dict[str, Any] | None:

@@ -211,9 +211,9 @@ class SdcguardTrainer(Trainer):
                                           reduce_state=self.sdcguard_reduce_state)
             if self._resumed is not None:
                 folder, manifest = self._resumed
-                self.guard.history = file_checkpoint.resumed_history(folder, manifest, still_holds=_still_holds)
-                self.guard.verifier.last_weights_digest = manifest["weight_digest"]
-                self.guard.gate.resumed_at(int(manifest["step"]))
+                self.guard.resumed(int(manifest["step"]),
+                                   file_checkpoint.resumed_history(folder, manifest, still_holds=_still_holds),
+                                   manifest["weight_digest"])
         return self.guard
 
     # -- checkpoints ---------------------------------------------------------------------------

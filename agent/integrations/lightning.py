@@ -323,9 +323,7 @@ class GuardedDDPStrategy(_CheckedSteps, DDPStrategy):
             raise ckpt.CheckpointError(f"{path}: the weights Lightning loaded have digest {found}, its manifest "
                                        f"says {manifest['weight_digest']}")
         step = int(manifest["step"])
-        guard.history = ckpt.resumed_history(path, manifest)
-        guard.verifier.last_weights_digest = manifest["weight_digest"]
-        guard.gate.resumed_at(step)
+        guard.resumed(step, ckpt.resumed_history(path, manifest), manifest["weight_digest"])
         self._resumed = None
 
 

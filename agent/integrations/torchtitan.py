@@ -317,10 +317,8 @@ class GuardedTrainer(Trainer):
             raise CheckpointError(f"sdcguard: the weights torchtitan loaded from {folder} are not those its manifest "
                                   "records")
         step = int(manifest["step"])
-        guard.history = dcp.resumed_history(str(folder), manifest)
-        guard.verifier.last_weights_digest = (fingerprint_shards(guard.named_parameters).digest.hex()
-                                              if manifest.get("weights_verified") else None)
-        guard.gate.resumed_at(step)
+        guard.resumed(step, dcp.resumed_history(str(folder), manifest),
+                      fingerprint_shards(guard.named_parameters).digest.hex() if manifest.get("weights_verified") else None)
 
 
 def guarded(config: Trainer.Config, **settings: Any) -> GuardedTrainer.Config:
