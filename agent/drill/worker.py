@@ -54,6 +54,19 @@ def main(config_path: str) -> int:
     return 0
 
 
+def _exit_without_finalizing(code: int) -> None:
+    """End the rank once its result is on disk, skipping interpreter finalization. Why: FSDP2's own
+    all-gathers and reduce-scatters drop their gloo ops after ``wait()``, and a gloo worker thread
+    that lets go of the last reference during finalization is killed in a C++ destructor
+    ("terminate called without an active exception", SIGABRT: a passed drill read as failed; seen
+    in CI on a 4-rank pure-FSDP drill under load). The library holds its own ops (``exchange.hold``)
+    but cannot hold FSDP2's; a drill rank has nothing left to finalize."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _device_mesh(cfg: dict[str, Any]) -> Any:
     """The sharded drill's mesh (made once: every rebuilt job reuses it), or None for DDP. Rank r
     is shard r % S of replica r // S: a shard group is S consecutive ranks, as torchtitan lays
@@ -259,4 +272,4 @@ def _restore(snapshot: Snapshot, job: Trainer) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    _exit_without_finalizing(main(sys.argv[1]))
