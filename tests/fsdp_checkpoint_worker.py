@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import sdcguard
+from sdcguard.child_process import exit_without_finalizing
 from sdcguard import recovery
 from sdcguard.config import Config
 from sdcguard.fingerprint import digest, fingerprint
@@ -224,3 +225,4 @@ def main(out):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_without_finalizing(0)  # FSDP2's gloo ops at finalization (see its docstring)

@@ -30,6 +30,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import sdcguard  # noqa: E402
+from sdcguard.child_process import exit_without_finalizing  # noqa: E402
 from sdcguard.checks.rng import forward_seed, seeded  # noqa: E402
 from sdcguard.config import Config  # noqa: E402
 from sdcguard.faults.sharded import ShardedFaultInjector  # noqa: E402
@@ -120,3 +121,4 @@ def main(out, which):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "short")
+    exit_without_finalizing(0)  # FSDP2's gloo ops at finalization (see its docstring)

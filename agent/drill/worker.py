@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ..child_process import exit_without_finalizing
 from ..config import Config
 from ..contract import names
 from .model import PARAM, SITE, DrillModel, loss_fn, make_batch
@@ -52,19 +53,6 @@ def main(config_path: str) -> int:
         dist.destroy_process_group()
     Path(cfg["workdir"], f"rank-{rank}.json").write_text(json.dumps(result))
     return 0
-
-
-def _exit_without_finalizing(code: int) -> None:
-    """End the rank once its result is on disk, skipping interpreter finalization. Why: FSDP2's own
-    all-gathers and reduce-scatters drop their gloo ops after ``wait()``, and a gloo worker thread
-    that lets go of the last reference during finalization is killed in a C++ destructor
-    ("terminate called without an active exception", SIGABRT: a passed drill read as failed; seen
-    in CI on a 4-rank pure-FSDP drill under load). The library holds its own ops (``exchange.hold``)
-    but cannot hold FSDP2's; a drill rank has nothing left to finalize."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _device_mesh(cfg: dict[str, Any]) -> Any:
@@ -272,4 +260,4 @@ def _restore(snapshot: Snapshot, job: Trainer) -> int:
 
 
 if __name__ == "__main__":
-    _exit_without_finalizing(main(sys.argv[1]))
+    exit_without_finalizing(main(sys.argv[1]))
