@@ -31,6 +31,7 @@ from .settings import Settings
 TERMINAL, TARGET_FIELDS = approval.TERMINAL, approval.TARGET_FIELDS
 WAIT_CODES = {"InstanceIdInUse", "InvalidInstanceStatus"}
 REPLACING_STATUSES = {"ShuttingDown", "Pending", "NotFound"}
+OUTCOME_WRITES = 4  # tries to write an AWS call's outcome before kopf's retry takes over (:func:`_outcome`)
 
 
 def is_open(status: dict[str, Any], **_: Any) -> bool:
@@ -267,6 +268,25 @@ def _note(body: dict[str, Any], event: str | None, message: str, **fields: Any) 
     return kube.record(names.REPLACEMENTS, None, body["metadata"]["name"], event, message, **fields).get("status") or {}
 
 
+def _outcome(body: dict[str, Any], key: str, event: str, message: str, **fields: Any) -> dict[str, Any]:
+    """Write that an AWS call took effect (``<key>.requestedAt``), once, retried at once on a
+    transient API error. Why not leave it to kopf's retry: a lost outcome sends the next try to
+    DescribeClusterNode, and a deep health check that has ended by then reads ``Running``, exactly
+    like one that never started, so it would be started a second time (seen in the chaos soak: an
+    API 500 right after the only describe that showed the check in progress). What remains is a
+    crash between that answer and this write, with a check shorter than the fail-over."""
+    name = body["metadata"]["name"]
+    for left in reversed(range(OUTCOME_WRITES)):
+        try:
+            return kube.record(names.REPLACEMENTS, None, name, event, message,
+                               only_if=lambda current: not (current.get(key) or {}).get("requestedAt"),
+                               **fields).get("status") or {}
+        except Exception as exc:  # noqa: BLE001 - only the API's transient answers are retried
+            if left == 0 or not kube.transient(exc):
+                raise
+    raise AssertionError("unreachable")
+
+
 def _deny(body: dict[str, Any], status: dict[str, Any], settings: Settings) -> None:
     node = status["target"]["nodeName"]
     if (status.get("replace") or {}).get("requestedAt") or (status.get("replace") or {}).get("attemptedAt"):
@@ -354,9 +374,9 @@ def _health_check(body: dict[str, Any], status: dict[str, Any], settings: Settin
         if where == "unknown":
             state = _describe_status(status, settings)
             if state in ("DeepHealthCheckInProgress", "Failure"):
-                return _note(body, "HealthCheckRequested", f"the earlier attempt took effect ({state})",
-                             healthCheck={"requestedAt": check["attemptedAt"], "attemptedBy": None,
-                                          "sawInProgress": state == "DeepHealthCheckInProgress"})
+                return _outcome(body, "healthCheck", "HealthCheckRequested", f"the earlier attempt took effect ({state})",
+                                healthCheck={"requestedAt": check["attemptedAt"], "attemptedBy": None,
+                                             "sawInProgress": state == "DeepHealthCheckInProgress"})
             if _gave_up(body, status, "healthCheck", "StartClusterHealthCheck", settings):
                 return {**status, "phase": "Failed"}
         _claim_attempt(body, "healthCheck", check)  # intent, before the call
@@ -367,10 +387,11 @@ def _health_check(body: dict[str, Any], status: dict[str, Any], settings: Settin
         except hyperpod.AwsError as exc:
             return _phase(body, "PendingApproval", "HealthCheckNotRun", str(exc),
                           healthCheck={"result": "NotRun", "message": str(exc), "attemptedBy": None})
-        return _note(body, "HealthCheckRequested", f"StartClusterHealthCheck {list(settings.deep_health_checks)} "
-                     f"on {spec['instanceId']} (group {spec['instanceGroup']})",
-                     healthCheck={"requestedAt": kube.now(), "attemptedBy": None,
-                                  "checks": list(settings.deep_health_checks)})
+        return _outcome(body, "healthCheck", "HealthCheckRequested",
+                        f"StartClusterHealthCheck {list(settings.deep_health_checks)} "
+                        f"on {spec['instanceId']} (group {spec['instanceGroup']})",
+                        healthCheck={"requestedAt": kube.now(), "attemptedBy": None,
+                                     "checks": list(settings.deep_health_checks)})
     try:
         details = hyperpod.describe_node(settings, spec["clusterName"], spec["instanceId"])
     except hyperpod.Transient as exc:

@@ -234,3 +234,40 @@ def test_killed_after_every_phase_repeats_no_aws_call(make_world):
     assert timeline.count("ReplacementCreated") == 1, dump(incident[0]["status"])
     assert incident[0]["status"]["phase"] == "Resolved"
     assert world.node_state(nodes[0]) == (False, None) and world.node_state(nodes[1]) == (False, None)
+
+
+def test_an_aws_calls_outcome_survives_transient_api_errors_and_is_written_once(tmp_path, monkeypatch):
+    """The chaos soak once saw two effective StartClusterHealthCheck calls: the outcome write after
+    the only describe that showed the check in progress got an API 500, and the next try's describe
+    read ``Running`` (the check had ended), as if it had never started. The outcome is now retried
+    in place on 5xx/429 and written once; other errors still go to kopf at once."""
+    import kubernetes
+
+    from sdcguard.sandbox.apiserver import start_emulator
+
+    from sdcguard_operator import kube, replacement
+
+    with start_emulator(tmp_path) as emulator:
+        monkeypatch.setattr(kube, "_client", emulator.api_client())
+        custom = kubernetes.client.CustomObjectsApi(emulator.api_client())
+        body = custom.create_cluster_custom_object("sdcguard.dev", "v1", "nodereplacements", {
+            "apiVersion": "sdcguard.dev/v1", "kind": "NodeReplacement", "metadata": {"name": "hyperpod-i-0"},
+            "spec": {"nodeName": "hyperpod-i-0", "instanceId": "i-0", "clusterName": "c"}})
+        path = "/apis/sdcguard.dev/v1/nodereplacements/hyperpod-i-0/status"
+        requested = {"healthCheck": {"requestedAt": "2026-12-02T07:00:00Z", "attemptedBy": None}}
+
+        emulator.reject("PATCH", path, 500, times=2)
+        status = replacement._outcome(body, "healthCheck", "HealthCheckRequested", "took effect", **requested)
+        assert status["healthCheck"]["requestedAt"] == "2026-12-02T07:00:00Z"
+        assert replacement._outcome(body, "healthCheck", "HealthCheckRequested", "again", **requested) == status
+        timeline = kube.get_replacement("hyperpod-i-0")["status"]["timeline"]
+        assert [t["event"] for t in timeline] == ["HealthCheckRequested"]  # written once
+
+        emulator.reject("PATCH", path, 403, times=2)  # not transient: kopf's retry, at once
+        with pytest.raises(kubernetes.client.ApiException) as refused:
+            replacement._outcome(body, "replace", "ReplaceRequested", "accepted", replace={"requestedAt": "t"})
+        assert refused.value.status == 403 and emulator.emulator.rejections_left[("PATCH", path)] == 1
+        emulator.reject("PATCH", path, 500, times=replacement.OUTCOME_WRITES)  # then kopf's retry takes over
+        with pytest.raises(kubernetes.client.ApiException) as unavailable:
+            replacement._outcome(body, "replace", "ReplaceRequested", "accepted", replace={"requestedAt": "t"})
+        assert unavailable.value.status == 500 and ("PATCH", path) not in emulator.emulator.rejections

@@ -197,6 +197,8 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
     rejections: dict[tuple[str, str], int] = attrs.field(factory=dict, init=False)
     """(METHOD, path) -> HTTP status to answer with instead of serving: a server that refuses a
     request (e.g. 422 for an invalid object). Set it through ``RunningEmulator.reject``."""
+    rejections_left: dict[tuple[str, str], int] = attrs.field(factory=dict, init=False)
+    """(METHOD, path) -> how many more requests the rejection answers (absent: all of them)."""
     users: dict[str, dict[str, Any]] = attrs.field(factory=lambda: {DEFAULT_TOKEN: dict(DEFAULT_USER)}, init=False)
     """bearer token -> userInfo (username, uid, groups) as an authenticator would report it."""
     grants: set[tuple[str, str, str, str]] = attrs.field(factory=set, init=False)
@@ -240,7 +242,12 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
         return await self._handle_one(request)
 
     async def _handle_one(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
-        refused = self.rejections.get((str(request.method.value).upper(), request.url.path))
+        key = (str(request.method.value).upper(), request.url.path)
+        refused = self.rejections.get(key)
+        if refused is not None and key in self.rejections_left:
+            self.rejections_left[key] -= 1
+            if self.rejections_left[key] <= 0:
+                del self.rejections[key], self.rejections_left[key]
         if refused is not None:
             return aiohttp.web.json_response(
                 {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": refused,
@@ -679,9 +686,19 @@ class RunningEmulator:
             self._ready.set()
             await self._stopping.wait()
 
-    def reject(self, method: str, path: str, status: int) -> None:
-        """Answer ``status`` to every ``METHOD path`` request from now on (server-side)."""
-        self.emulator.rejections[(method.upper(), path)] = status
+    def reject(self, method: str, path: str, status: int, times: int | None = None) -> None:
+        """Answer ``status`` to every ``METHOD path`` request from now on (server-side), or to the
+        next ``times`` of them only."""
+        key = (method.upper(), path)
+        if times is not None and times <= 0:
+            self.emulator.rejections.pop(key, None)
+            self.emulator.rejections_left.pop(key, None)
+            return
+        self.emulator.rejections[key] = status
+        if times is None:
+            self.emulator.rejections_left.pop(key, None)
+        else:
+            self.emulator.rejections_left[key] = times
 
     def inject(self, rate: float, users: set[str] | None = None, seed: int | None = None, **options: Any) -> Faults:
         """Inject API faults (500/409/429 answers, stalls) into a share ``rate`` of the requests of
