@@ -4,7 +4,8 @@ the flags give, what is refused before anything starts, and how the judge treats
 check 3. Under real processes: HSDP 2 x 2 and pure FSDP over 4, each clean (no alarm) and with
 faults (each caught by its check at its step, naming its rank; a weight fault on pure FSDP escapes,
 said why), resumed after every alarm; the recovered HSDP run ends bit for bit where the clean one
-does, and the pure-FSDP run's last job (resumed from the start, every fault spent) is a clean run. The full matrix (every kind, every mesh) is bench/drill_matrix.py."""
+does, and the pure-FSDP run's last job (resumed from the start, every fault spent) is a clean run;
+3 replicas of unsharded units (``--shard 1``) catch every check's fault and recover bit for bit. The full matrix (every kind, every mesh) is bench/drill_matrix.py."""
 import argparse
 import json
 import subprocess
@@ -29,6 +30,7 @@ def config(*argv):
     (["--shard", "4", "--replicate", "1", "--ranks-per-node", "1"], (1, 4, 4, 4)),  # FSDP over 4 nodes
     (["--shard", "2", "--replicate", "2", "--nodes", "1", "--ranks-per-node", "4"], (2, 2, 1, 4)),
     (["--shard", "4", "--world-size", "8", "--ranks-per-node", "2"], (2, 4, 4, 8)),  # a shard group spans 2 nodes
+    (["--shard", "1", "--replicate", "3", "--ranks-per-node", "1"], (3, 1, 3, 3)),  # (R, 1): unsharded units
 ])
 def test_the_mesh_follows_the_flags_and_the_nodes(argv, mesh):
     cfg = config(*argv)
@@ -41,7 +43,9 @@ def test_the_ddp_drill_config_is_unchanged():
 
 @pytest.mark.parametrize("argv, message", [
     (["--replicate", "2"], "--replicate needs --shard S"),
-    (["--shard", "1"], "--shard must be >= 2"),
+    (["--shard", "1"], "--shard 1 needs --replicate R >= 2"),
+    (["--shard", "1", "--replicate", "1", "--nodes", "1", "--ranks-per-node", "1"], "--shard 1 needs --replicate R >= 2"),
+    (["--shard", "0"], "--shard must be >= 1"),
     (["--shard", "4"], "--shard 4 does not divide the job's 6 ranks"),
     (["--shard", "2", "--replicate", "2", "--nodes", "3"], "--replicate 2 x --shard 2 = 4 ranks, but the job has 6"),
     (["--shard", "3", "--replicate", "2", "--ranks-per-node", "2"], "would straddle nodes of 2 ranks"),
@@ -181,3 +185,38 @@ def test_a_clean_pure_fsdp_run_raises_no_alarm(fsdp_faults):
     assert len(report["alarms"]) == 3 and report["unexplained_alarms"] == []
     assert "[drill] sharded: FSDP over 4 ranks (one replica)" in proc.stdout
     assert report["final_weights_digest"] is not None  # every rank gathers the same model
+
+
+# -- (R, 1): FSDP2 units that are not sharded, R replicas (tests/test_fsdp_shard1.py for the library)
+
+SHARD1 = ["--shard", "1", "--replicate", "3", "--nodes", "3", "--ranks-per-node", "1"]
+
+
+@pytest.fixture(scope="module")
+def shard1_clean(tmp_path_factory):
+    return drill(tmp_path_factory, "shard1-clean", *SHARD1, *RUN)
+
+
+@pytest.fixture(scope="module")
+def shard1_faults(tmp_path_factory):
+    return drill(tmp_path_factory, "shard1-faults", *SHARD1, *RUN, "--on-alarm", "resume",
+                 "--inject", "weight-bitflip:rank=2:step=0",       # check 3: a majority of 3 replicas
+                 "--inject", "grad-inf:rank=1:step=1",             # check 1 names rank 1
+                 "--inject", "grad-bitflip:rank=0:step=2",         # check 2: the replay differs
+                 "--inject", "reduce-scale:step=3",                # check 4: the all-reduce (no reduce-scatter)
+                 "--inject", "optimizer-scale:rank=1:step=5")      # check 3 after the update
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_an_unsharded_mesh_drill_catches_every_check_and_recovers_bitwise(shard1_faults, shard1_clean):
+    proc, report = shard1_faults
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert shard1_clean[1]["passed"] and shard1_clean[1]["alarms"] == []
+    assert report["passed"] and report["unexplained_alarms"] == []
+    assert [r["outcome"] for r in report["injected"]] == ["caught"] * 5
+    assert alarms_by_step(report) == {0: ("weights", [2], False), 1: ("nonfinite-local", [1], False),
+                                      2: ("replay", [0], False), 3: ("reduce-checksum", [], False),
+                                      5: ("weights", [1], False)}
+    assert "[drill] sharded: HSDP 3 replicas x 1 shards" in proc.stdout
+    assert report["final_weights_digest"] == shard1_clean[1]["final_weights_digest"] is not None

@@ -40,7 +40,8 @@ sends them to DIR, e.g. a sidecar's). Every record it writes carries "drill": tr
 Sharded (--shard S [--replicate R]): the same drill with the model sharded by FSDP2's fully_shard
 (one unit per layer, then the root) over a (replicate, shard) mesh of consecutive ranks, as torchtitan
 builds it: rank r holds shard r % S of replica r // S. R = 1 is pure FSDP over S ranks; R > 1 is
-HSDP. Shard groups must lie within a node (S divides --ranks-per-node; HSDP's usual layout: the
+HSDP; S = 1 (R >= 2) is R replicas of unsharded FSDP2 units (no reduce-scatter: check 4 covers
+the all-reduce). Shard groups must lie within a node (S divides --ranks-per-node; HSDP's usual layout: the
 reduce-scatter inside a node, the all-reduce across nodes) or span whole nodes (--ranks-per-node
 divides S). Without --nodes / --world-size the job has R x S ranks. With one replica check 3 has
 nothing to compare: a weight or optimizer fault then escapes (the report says why).
@@ -175,8 +176,11 @@ def _mesh(args: argparse.Namespace) -> tuple[int, int | None] | None:
         if args.replicate is not None:
             raise DrillInputError("--replicate needs --shard S (HSDP is R replicas of S shards)")
         return None
-    if args.shard < 2:
-        raise DrillInputError("--shard must be >= 2: one shard has no reduce-scatter to check (that is DDP: leave --shard out)")
+    if args.shard < 1:
+        raise DrillInputError("--shard must be >= 1")
+    if args.shard == 1 and (args.replicate or 0) < 2:
+        raise DrillInputError("--shard 1 needs --replicate R >= 2 (R replicas of unsharded FSDP2 units); "
+                              "one rank has nothing to compare with")
     if args.replicate is not None and args.replicate < 1:
         raise DrillInputError("--replicate must be >= 1")
     return args.replicate if args.replicate is not None else None, args.shard  # type: ignore[return-value]
