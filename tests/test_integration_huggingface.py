@@ -180,6 +180,11 @@ ROTATION = ["--steps", "7", "--audit-every", "3", "--weight-check-every", "1", "
             "--save-total-limit", "1", "--inject", "grad-bitflip:rank=1:step=6"]
 
 
+# GPT-2's own dropout (its config's default is 0.1): every step audited, checkpoints every 3 steps
+DROPOUT = ["--dropout", "0.1", "--steps", "6", "--audit-every", "1", "--weight-check-every", "1",
+           "--save-steps", "3", "--save-total-limit", "2"]
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("hfjob")
@@ -190,6 +195,9 @@ def job(tmp_path_factory):
                  "flags": [*ROTATION[:-2], "--resume", out / "rotation" / "checkpoint-3"]})
     plan.append({"name": "uninterrupted", "kind": "trainer", "config": {"audit_checkpoints": False},
                  "flags": ROTATION[:-2]})
+    plan.append({"name": "dropout", "kind": "trainer", "config": {"audit_checkpoints": False}, "flags": DROPOUT})
+    plan.append({"name": "dropout-resumed", "kind": "trainer", "config": {"audit_checkpoints": False},
+                 "flags": [*DROPOUT, "--resume", out / "dropout" / "checkpoint-3"]})
     bf16 = ["--bf16", "--steps", "4", "--audit-every", "2", "--weight-check-every", "1", "--save-steps", "100"]
     plan += [{"name": "bf16", "kind": "trainer", "flags": bf16}, {"name": "bf16-plain", "kind": "trainer", "flags": bf16,
                                                                     "guarded": False}]
@@ -251,6 +259,24 @@ def test_resuming_from_the_named_folder_inherits_its_history_and_is_bitwise_the_
     assert [(c["step"], c["path"]) for c in manifest["earlier_checkpoints"]] == [
         (3, str(job / "rotation" / "checkpoint-3")), (6, str(out / "checkpoint-6"))]
     assert (manifest["step"], manifest["audited_step"]) == (7, 6)
+
+
+@pytest.mark.slow
+def test_dropout_is_replayed_on_every_audit_and_a_resumed_run_draws_the_same_masks(job):
+    """With dropout the masks come from sdcguard's generator, seeded per (step, rank, micro-batch):
+    every step's replay reproduces them (no alarm), and a run resumed from checkpoint-3 draws the
+    masks of steps 4-6 the uninterrupted run drew, so it ends bit for bit where that one does (a
+    step count off by one after the resume, or masks from the global RNG, would not)."""
+    uninterrupted, resumed = results(job / "dropout", RANKS), results(job / "dropout-resumed", RANKS)
+    for u, r in zip(uninterrupted, resumed):
+        assert (u["alarms"], u["errors"], u["final_step"]) == ([], [], 6)
+        assert (r["alarms"], r["errors"], r["final_step"]) == ([], [], 6)
+        assert sorted(int(k) for k in r["weights"]) == [4, 5, 6]
+        for record in ("weights", "losses", "grad_norms"):
+            assert {k: r[record][k] for k in r["weights"]} == {k: u[record][k] for k in r["weights"]}, record
+    assert alarms(job / "dropout" / "spool") == [] and alarms(job / "dropout-resumed" / "spool") == []
+    # dropout was on: step 1's loss (the same weights and batches) is not the dropout-free run's
+    assert uninterrupted[0]["losses"]["1"] != results(job / "uninterrupted", RANKS)[0]["losses"]["1"]
 
 
 @pytest.mark.slow

@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--save-steps", type=int, default=4, help="checkpoint-N every N steps")
     add("--save-total-limit", type=int, default=2)
     add("--bf16", action="store_true", help="bfloat16 autocast (CPU)")
+    add("--dropout", type=float, default=0.0, help="GPT-2's three dropout rates (0: the plain and guarded runs "
+        "draw the same numbers; above 0 sdcguard draws the masks from its seeded generator)")
     add("--seed", type=int, default=42)
     add("--out", default="out-hf", help="checkpoint folders and per-rank result files")
     add("--resume", metavar="FOLDER", help="resume from this checkpoint-N folder (train.py verifies it first)")
@@ -48,11 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_model(args: argparse.Namespace) -> GPT2LMHeadModel:
-    """A 2-layer GPT-2 from a config (no weights downloaded); dropout off so that the plain and
-    the guarded run draw no random numbers in their forwards and can be compared bit for bit."""
+    """A 2-layer GPT-2 from a config (no weights downloaded); dropout off by default so that the
+    plain and the guarded run draw no random numbers in their forwards and can be compared bit for bit."""
     torch.manual_seed(args.seed)
     config = GPT2Config(vocab_size=64, n_positions=args.seq_len, n_embd=32, n_layer=2, n_head=2,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+                        resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.dropout,
+                        bos_token_id=0, eos_token_id=0)
     config._attn_implementation = "eager"
     return GPT2LMHeadModel(config)
 
