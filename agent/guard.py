@@ -21,7 +21,6 @@ do not run, which the Guard says once at start-up.
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import sys
@@ -144,7 +143,10 @@ class Guard:
         self.nonfinite_skipped = 0
         """Steps skipped because of a reproduced NaN/Inf (``on_nonfinite="skip"``)."""
         self._closed = False
-        atexit.register(_close_at_exit, weakref.ref(self))
+        # The statistics reach the spool even when nobody calls close(): when this Guard is
+        # collected (a Guard local to a function that returned) or at interpreter exit, whichever
+        # comes first. The finalizer holds the statistics and the path, never the Guard.
+        self._flush_at_end = weakref.finalize(self, _flush_quietly, self.stats, self.config.spool)
         self._log_configuration()
 
     # -- the step ------------------------------------------------------------------------------
@@ -243,9 +245,11 @@ class Guard:
         self.stats.flush(self.config.spool, force=True)
 
     def close(self) -> None:
-        """End of training: flush the statistics (also done at interpreter exit)."""
+        """End of training: flush the statistics (also done when the Guard is collected, or at
+        interpreter exit)."""
         if not self._closed:
             self._closed = True
+            self._flush_at_end.detach()
             self.flush_stats()
 
     def __enter__(self) -> Guard:
@@ -497,10 +501,9 @@ def _solo_topology(config: Config) -> Topology:
     return Topology(0, 1, 1, {0: identity(0, config.pod, config.node, config.pod_uid)}, run_id=uuid.uuid4().hex[:12], threads={0: torch.get_num_threads()})
 
 
-def _close_at_exit(ref: "weakref.ref[Guard]") -> None:
-    guard = ref()
-    if guard is not None:
-        try:
-            guard.close()
-        except Exception:  # noqa: BLE001 - the interpreter is going away; never fail its exit
-            pass
+def _flush_quietly(stats: Any, spool: str | None) -> None:
+    """A Guard's statistics flushed by its finalizer (collection or interpreter exit)."""
+    try:
+        stats.flush(spool, force=True)
+    except Exception:  # noqa: BLE001 - a collection or the interpreter's exit must never fail
+        pass

@@ -325,3 +325,30 @@ def test_a_resumed_guard_knows_the_checkpoints_before_its_own(tmp_path):
     _, _, older = make()
     assert older.load_checkpoint(tmp_path / "b.pt") == 2
     assert older.checkpoints == [(2, str(tmp_path / "b.pt"))]  # a.pt no longer holds step 0
+
+
+def test_a_guard_nobody_closes_flushes_its_statistics_when_collected_and_closing_detaches_that(tmp_path):
+    import gc
+
+    from sdcguard.contract.stats import stats_path
+
+    def train(spool):  # a Guard local to a function that returns: never closed
+        model, opt, guard = make(spool=str(spool))
+        for step in range(2):
+            with guard.step(step) as s:
+                s.backward(data(step))
+                s.check()
+                opt.step()
+                opt.zero_grad()
+
+    train(tmp_path / "a")
+    gc.collect()
+    written = json.loads(stats_path(str(tmp_path / "a"), 0).read_text())
+    assert written["steps"] == 2 and written["last_step"] == 1
+
+    model, opt, guard = make(spool=str(tmp_path / "b"))
+    guard.close()
+    stats_path(str(tmp_path / "b"), 0).unlink()
+    del model, opt, guard
+    gc.collect()
+    assert not stats_path(str(tmp_path / "b"), 0).exists()  # closed once: not written again
