@@ -11,31 +11,20 @@
                  resumed run bit for bit the uninterrupted one on 3 ranks (~20-40 s).
 """
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from torchrun_jobs import ROOT, rank_results, spooled_alarms, torchrun
 
 from sdcguard.checkpoint import verify_checkpoint
 from sdcguard.faults.spec import KINDS
-
-ROOT = Path(__file__).resolve().parent.parent
 COMMON = ["--steps", "8", "--accum", "2", "--save-every", "4", "--max-grad-norm", "0.1"]
 CHECKS = {"SDCGUARD_AUDIT_EVERY": "2", "SDCGUARD_WEIGHT_CHECK_EVERY": "1"}
 PRECISIONS = ["bf16-mixed", "16-mixed", "bf16-true"]
 
 
-def torchrun(ranks, out, plan):
+def run_plan(ranks, out, plan):
     (out / "plan.json").write_text(json.dumps(plan, default=str))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONSAFEPATH": "1"}
-    for var in [v for v in env if v.startswith("SDCGUARD_")]:
-        env.pop(var)  # each run's own settings decide
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                           str(ROOT / "tests" / "fabric_worker.py"), str(out / "plan.json")],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    torchrun(ranks, ROOT / "tests" / "fabric_worker.py", out / "plan.json", timeout=600)  # each run's own settings
 
 
 def run(out, name, script, *flags, env=None):
@@ -43,19 +32,13 @@ def run(out, name, script, *flags, env=None):
             "env": {**(env or {}), "SDCGUARD_SPOOL": str(out / name / "spool")}}
 
 
-def results(out, ranks):
-    return [json.loads((out / f"result-rank{r}.json").read_text()) for r in range(ranks)]
-
-
-def alarms(spool):
-    return [json.loads(p.read_text()) for p in sorted(Path(spool).glob("*.alarm.json"))]
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("fabric")
     kept = out / "clean" / "ckpt.sdcguard-step3.pt"
-    torchrun(2, out, [
+    run_plan(2, out, [
         run(out, "plain", "plain", *COMMON),
         run(out, "clean", "train", *COMMON, env=CHECKS),
         run(out, "resumed", "train", *COMMON, "--resume", kept, "--expect-step", 3,
@@ -71,14 +54,14 @@ def job(tmp_path_factory):
 
 @pytest.mark.multiprocess
 def test_clean_run_is_bitwise_the_plain_fabric_loop(job):
-    guarded, plain = results(job / "clean", 2), results(job / "plain", 2)
+    guarded, plain = rank_results(job / "clean", 2), rank_results(job / "plain", 2)
     for g, p in zip(guarded, plain):
         assert (g["alarms"], g["errors"], g["final_step"]) == ([], [], 7)
         assert len(g["weights"]) == 8 and g["weights"] == p["weights"]  # every step's weights, bit for bit
         assert g["losses"] == p["losses"] and all(len(v) == 2 for v in g["losses"].values())
         assert g["weights_digest"] == p["weights_digest"]
     assert guarded[0]["weights"] == guarded[1]["weights"] and guarded[0]["losses"] != guarded[1]["losses"]
-    assert alarms(job / "clean" / "spool") == []
+    assert spooled_alarms(job / "clean" / "spool") == []
     stats = json.loads((job / "clean" / "spool" / "stats" / "rank-0.json").read_text())
     assert stats["checks"]["replay"]["runs"] == 4  # audits at 0, 2, 4, 6 ran: the checks were not skipped
     assert stats["checks"]["weights"]["runs"] >= 8 and stats["last_verified_step"] == 6  # the last audit
@@ -89,7 +72,7 @@ def test_clean_run_is_bitwise_the_plain_fabric_loop(job):
 def test_replays_run_under_fabrics_precision(job, precision):
     # the replays run under Fabric's precision plugin too (autocast, bfloat16 weights, 16-mixed's
     # GradScaler): audits pass, bit for bit the plain loop
-    for g, p in zip(results(job / precision, 2), results(job / f"{precision}-plain", 2)):
+    for g, p in zip(rank_results(job / precision, 2), rank_results(job / f"{precision}-plain", 2)):
         assert (g["alarms"], g["errors"], g["final_step"]) == ([], [], 3)
         assert g["weights"] == p["weights"] and g["losses"] == p["losses"]
     stats = json.loads((job / precision / "spool" / "stats" / "rank-1.json").read_text())
@@ -118,7 +101,7 @@ def test_fabric_save_writes_a_manifest_and_keeps_the_resume_point(job):
 
 @pytest.mark.multiprocess
 def test_fabric_load_resumes_bitwise_and_inherits_the_history(job):
-    clean, resumed = results(job / "clean", 2), results(job / "resumed", 2)
+    clean, resumed = rank_results(job / "clean", 2), rank_results(job / "resumed", 2)
     for c, r in zip(clean, resumed):
         assert (r["alarms"], r["errors"], r["start"], r["final_step"]) == ([], [], 4, 7)
         assert r["weights"] == {k: v for k, v in c["weights"].items() if int(k) >= 4}
@@ -131,7 +114,7 @@ def test_fabric_load_resumes_bitwise_and_inherits_the_history(job):
 @pytest.mark.multiprocess
 def test_a_tampered_or_other_checkpoint_is_refused_on_every_rank(job):
     for name, message in (("tampered", "was modified after it was verified"), ("other-step", "not step 3")):
-        for r in results(job / name, 2):
+        for r in rank_results(job / name, 2):
             [error] = r["errors"]
             assert error["type"] == "CheckpointError" and message in error["message"], error
             assert r["weights"] == {} and r["final_step"] is None  # no step ran
@@ -189,7 +172,7 @@ def matrix(tmp_path_factory):
                     "--expect-sha256", f"sha256-of:{kept}", env=CHECKS))
     plan.append(run(out, "kept", "train", "--steps", "6", "--save-every", "1", "--inject", "grad-bitflip:rank=1:step=4",
                     env=CHECKS))
-    torchrun(RANKS, out, plan)
+    run_plan(RANKS, out, plan)
     return out
 
 
@@ -199,13 +182,13 @@ def matrix(tmp_path_factory):
 def test_every_fault_kind_is_caught_by_its_check_naming_the_rank(matrix, kind):
     _, step, named = MATRIX[kind]
     expected = (KINDS[kind].caught_by, step, named)
-    ranks = results(matrix / kind, RANKS)
+    ranks = rank_results(matrix / kind, RANKS)
     for r in ranks:  # every rank stopped on the same alarm, in the step that raised it: none hung
         assert [(a["check"], a["step"], a["suspect_ranks"]) for a in r["alarms"]] == [expected], r["errors"]
         assert r["final_step"] == step - 1
     for rank in named:  # the fault did strike there
         assert [f["step"] for f in ranks[rank]["fired"]] == [step]
-    [alarm] = alarms(matrix / kind / "spool")
+    [alarm] = spooled_alarms(matrix / kind / "spool")
     assert (alarm["check"], alarm["step"], alarm["suspect_ranks"]) == expected
 
 
@@ -213,7 +196,7 @@ def test_every_fault_kind_is_caught_by_its_check_naming_the_rank(matrix, kind):
 @pytest.mark.multiprocess
 def test_an_alarm_names_the_checkpoint_the_guard_kept(matrix):
     out = matrix / "kept"
-    [alarm] = alarms(out / "spool")
+    [alarm] = spooled_alarms(out / "spool")
     assert (alarm["check"], alarm["step"], alarm["suspect_ranks"]) == ("replay", 4, [1])
     # ckpt.pt was written after every step; the replay alarm's window starts after the audit at 2,
     # so it resumes from step 2's checkpoint, which the Guard kept when step 3's save replaced it
@@ -228,7 +211,7 @@ def test_an_alarm_names_the_checkpoint_the_guard_kept(matrix):
 def test_a_resumed_run_on_three_ranks_settles_ddps_buckets_and_goes_on_bitwise(matrix):
     # with three ranks the ring all-reduce's sums depend on DDP's bucket layout: settle_with= puts
     # the resumed run in the layout the original run had by then
-    for c, r in zip(results(matrix / "uninterrupted", RANKS), results(matrix / "resumed", RANKS)):
+    for c, r in zip(rank_results(matrix / "uninterrupted", RANKS), rank_results(matrix / "resumed", RANKS)):
         assert (r["alarms"], r["errors"], r["start"], r["final_step"]) == ([], [], 4, 7)
         assert r["weights"] == {k: v for k, v in c["weights"].items() if int(k) >= 4}
         assert r["losses"] == {k: v for k, v in c["losses"].items() if int(k) >= 4}

@@ -16,39 +16,17 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from torchrun_jobs import ROOT, rank_results, spooled_alarms, torchrun
 
 from sdcguard.checkpoint import CheckpointError
 from sdcguard.faults.spec import KINDS
 
 pytestmark = pytest.mark.multiprocess
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "huggingface"
 COMMON = ["--steps", "8", "--accum", "2", "--audit-every", "4", "--weight-check-every", "2",
           "--save-steps", "4", "--save-total-limit", "1", "--max-grad-norm", "0.5"]
-
-
-def torchrun(ranks, script, *argv, spool=None):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONSAFEPATH": "1"}
-    for var in [v for v in env if v.startswith("SDCGUARD_")]:
-        env.pop(var)  # the flags decide
-    if spool is not None:
-        env["SDCGUARD_SPOOL"] = str(spool)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc_per_node={ranks}", str(script), *map(str, argv)],
-                          capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return proc
-
-
-def results(out, ranks):
-    return [json.loads((out / f"result-rank{r}.json").read_text()) for r in range(ranks)]
-
-
-def alarms(spool):
-    return [json.loads(p.read_text()) for p in sorted(Path(spool).glob("*.alarm.json"))]
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +44,14 @@ def plain(tmp_path_factory):
 
 
 def test_clean_trainer_run_is_bitwise_the_plain_trainer_run(clean, plain):
-    guarded, unguarded = results(clean, 2), results(plain, 2)
+    guarded, unguarded = rank_results(clean, 2), rank_results(plain, 2)
     for g, u in zip(guarded, unguarded):
         assert (g["alarms"], g["errors"], g["final_step"]) == ([], [], 8)
         assert len(g["weights"]) == 8 and g["weights"] == u["weights"]  # every step's weights, bit for bit
         assert g["losses"] == u["losses"] and g["grad_norms"] == u["grad_norms"]
         assert g["weights_digest"] == u["weights_digest"]
     assert guarded[0]["weights"] == guarded[1]["weights"]
-    assert alarms(clean / "spool") == []
+    assert spooled_alarms(clean / "spool") == []
     stats = json.loads((clean / "spool" / "stats" / "rank-0.json").read_text())
     assert stats["checks"]["replay"]["runs"] == 2  # audits at 4 and 8 ran: the checks were not skipped
     assert stats["checks"]["weights"]["runs"] >= 4 and stats["last_verified_step"] == 8
@@ -214,13 +192,13 @@ def job(tmp_path_factory):
 def test_every_fault_kind_is_caught_by_its_check_naming_the_rank(job, kind):
     _, step, named = MATRIX[kind]
     expected = (KINDS[kind].caught_by, step, named)
-    ranks = results(job / kind, RANKS)
+    ranks = rank_results(job / kind, RANKS)
     for r in ranks:  # every rank stopped on the same alarm, in the step that raised it: none hung
         assert [(a["check"], a["step"], a["suspect_ranks"]) for a in r["alarms"]] == [expected], r["errors"]
         assert r["final_step"] == step - 1
     for rank in named:  # the fault did strike there (and a reduce fault struck every rank)
         assert [f["step"] for f in ranks[rank]["fired"]] == [step]
-    [alarm] = alarms(job / kind / "spool")
+    [alarm] = spooled_alarms(job / kind / "spool")
     assert (alarm["check"], alarm["step"], alarm["suspect_ranks"]) == expected
 
 
@@ -229,7 +207,7 @@ def test_an_alarm_names_a_folder_that_still_holds_its_step(job):
     from sdcguard.integrations.huggingface import verify_folder
 
     out = job / "rotation"
-    [alarm] = alarms(out / "spool")
+    [alarm] = spooled_alarms(out / "spool")
     assert (alarm["check"], alarm["step"], alarm["suspect_ranks"]) == ("replay", 6, [1])
     assert alarm["suspect_window"] == {"first_step": 4, "last_step": 6}  # after the audit at 3
     # save_total_limit=1 would have deleted checkpoint-3 at step 4; it was spared as the replay
@@ -243,7 +221,7 @@ def test_an_alarm_names_a_folder_that_still_holds_its_step(job):
 @pytest.mark.slow
 def test_resuming_from_the_named_folder_inherits_its_history_and_is_bitwise_the_uninterrupted_run(job):
     out = job / "resumed"
-    for r, u in zip(results(out, RANKS), results(job / "uninterrupted", RANKS)):
+    for r, u in zip(rank_results(out, RANKS), rank_results(job / "uninterrupted", RANKS)):
         assert (r["alarms"], r["errors"], r["final_step"]) == ([], [], 7)
         assert sorted(int(k) for k in r["weights"]) == [4, 5, 6, 7]  # trained on from step 4
         # the Trainer's fresh DDP would reduce step 4 in its initial bucket layout; the buckets are
@@ -267,22 +245,22 @@ def test_dropout_is_replayed_on_every_audit_and_a_resumed_run_draws_the_same_mas
     every step's replay reproduces them (no alarm), and a run resumed from checkpoint-3 draws the
     masks of steps 4-6 the uninterrupted run drew, so it ends bit for bit where that one does (a
     step count off by one after the resume, or masks from the global RNG, would not)."""
-    uninterrupted, resumed = results(job / "dropout", RANKS), results(job / "dropout-resumed", RANKS)
+    uninterrupted, resumed = rank_results(job / "dropout", RANKS), rank_results(job / "dropout-resumed", RANKS)
     for u, r in zip(uninterrupted, resumed):
         assert (u["alarms"], u["errors"], u["final_step"]) == ([], [], 6)
         assert (r["alarms"], r["errors"], r["final_step"]) == ([], [], 6)
         assert sorted(int(k) for k in r["weights"]) == [4, 5, 6]
         for record in ("weights", "losses", "grad_norms"):
             assert {k: r[record][k] for k in r["weights"]} == {k: u[record][k] for k in r["weights"]}, record
-    assert alarms(job / "dropout" / "spool") == [] and alarms(job / "dropout-resumed" / "spool") == []
+    assert spooled_alarms(job / "dropout" / "spool") == [] and spooled_alarms(job / "dropout-resumed" / "spool") == []
     # dropout was on: step 1's loss (the same weights and batches) is not the dropout-free run's
-    assert uninterrupted[0]["losses"]["1"] != results(job / "uninterrupted", RANKS)[0]["losses"]["1"]
+    assert uninterrupted[0]["losses"]["1"] != rank_results(job / "uninterrupted", RANKS)[0]["losses"]["1"]
 
 
 @pytest.mark.slow
 def test_bf16_autocast_run_is_bitwise_the_plain_one_with_audits(job):
     # Accelerate puts the autocast on the module's own forward: the replays run it too
-    for g, p in zip(results(job / "bf16", RANKS), results(job / "bf16-plain", RANKS)):
+    for g, p in zip(rank_results(job / "bf16", RANKS), rank_results(job / "bf16-plain", RANKS)):
         assert (g["alarms"], g["errors"], g["final_step"]) == ([], [], 4)
         assert g["weights"] == p["weights"] and g["losses"] == p["losses"]
     stats = json.loads((job / "bf16" / "spool" / "stats" / "rank-1.json").read_text())
@@ -291,10 +269,10 @@ def test_bf16_autocast_run_is_bitwise_the_plain_one_with_audits(job):
 
 @pytest.mark.slow
 def test_accelerate_loop_is_bitwise_the_plain_one_and_catches_a_fault(job):
-    plain, guarded, faulted = (results(job / n, RANKS) for n in ("acc-plain", "acc-guarded", "acc-fault"))
+    plain, guarded, faulted = (rank_results(job / n, RANKS) for n in ("acc-plain", "acc-guarded", "acc-fault"))
     for p, g, f in zip(plain, guarded, faulted):
         assert len(p["weights"]) == 6 and g["weights"] == p["weights"] and g["losses"] == p["losses"]
         assert g["alarms"] == []
         assert [(a["check"], a["step"], a["suspect_ranks"]) for a in f["alarms"]] == [("replay", 4, [2])]
         assert f["weights"] == {k: v for k, v in p["weights"].items() if int(k) < 4}
-    assert len(alarms(job / "acc-fault" / "spool")) == 1
+    assert len(spooled_alarms(job / "acc-fault" / "spool")) == 1

@@ -13,19 +13,18 @@ of the example's scripts in turn (tests/lightning_worker.py; each as ``python SC
   script (slow, ~15 s)  train.py launched by torchrun as a user runs it, stopped by an alarm.
 """
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from torchrun_jobs import ROOT, job_env, rank_results, spooled_alarms, spooled_stats, torchrun
 
 from sdcguard import cli, verify_checkpoint
 from sdcguard.faults.spec import KINDS, parse_fault
 
 pytestmark = pytest.mark.multiprocess
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "lightning"
 RANKS = 3
 FLAGS = ["--epochs", "3", "--audit-every", "4", "--weight-check-every", "2", "--accumulate", "2", "--clip", "1.0"]
@@ -35,26 +34,10 @@ MATRIX = ["forward-nan:rank=1:step=1", "forward-scale:rank=2:step=4", "grad-inf:
           "weight-bitflip:rank=0:step=3", "weight-swap:rank=1:step=1"]
 
 
-def _env() -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONSAFEPATH": "1"}
-    for var in ("SDCGUARD_AUDIT_EVERY", "SDCGUARD_WEIGHT_CHECK_EVERY", "SDCGUARD_SPOOL"):
-        env.pop(var, None)  # the flags decide
-    return env
-
-
-def _torchrun(*argv: str, spool: Path | None = None) -> subprocess.CompletedProcess:
-    env = _env() if spool is None else {**_env(), "SDCGUARD_SPOOL": str(spool)}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
-                           *argv], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-
-
 def _read(out: Path) -> dict:
     """Every rank's result file and the spool's alarm records and statistics of one run."""
-    spool = out / "spool"
-    return {"out": out,
-            "results": [json.loads((out / f"result-rank{r}.json").read_text()) for r in range(RANKS)],
-            "alarms": [json.loads(p.read_text()) for p in sorted(spool.glob("*.alarm.json"))],
-            "stats": [json.loads(p.read_text()) for p in sorted((spool / "stats").glob("rank-*.json"))]}
+    return {"out": out, "results": rank_results(out, RANKS), "alarms": spooled_alarms(out / "spool"),
+            "stats": spooled_stats(out / "spool")}
 
 
 def run_plan(tmp: Path, plan: list[dict]) -> dict[str, dict]:
@@ -66,8 +49,7 @@ def run_plan(tmp: Path, plan: list[dict]) -> dict[str, dict]:
             entry["resume_as_alarmed"] = str(tmp / spec["resume_as"])
         entries.append(entry)
     (tmp / "plan.json").write_text(json.dumps(entries))
-    proc = _torchrun(str(ROOT / "tests" / "lightning_worker.py"), str(tmp / "plan.json"))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    torchrun(RANKS, ROOT / "tests" / "lightning_worker.py", tmp / "plan.json", timeout=600)
     return {name: _read(tmp / name) for name, _ in plan}
 
 
@@ -183,7 +165,7 @@ def test_hyperparameters_weights_only_refuses_are_named_and_a_resume_is_bitwise(
     # bit for bit on the uninterrupted one
     def run(out, epochs, *resume):
         proc = subprocess.run([sys.executable, str(ROOT / "tests" / "lightning_hparams_worker.py"), str(out),
-                               str(epochs), *resume], capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+                               str(epochs), *resume], capture_output=True, text=True, timeout=300, env=job_env(), cwd=ROOT)
         assert proc.returncode == 0, proc.stderr[-6000:]
         return json.loads((out / "result.json").read_text())
 
@@ -236,8 +218,8 @@ def test_a_rotated_checkpoint_an_alarm_may_name_is_kept_and_resumable(matrix):
 @pytest.mark.slow
 def test_an_alarm_stops_the_script_as_launched_by_torchrun(tmp_path):
     out = tmp_path / "fault"
-    proc = _torchrun(str(EXAMPLE / "train.py"), "--out", str(out), *FLAGS,
-                     "--inject", "weight-bitflip:rank=2:step=5", spool=out / "spool")
+    proc = torchrun(RANKS, EXAMPLE / "train.py", "--out", out, *FLAGS, "--inject", "weight-bitflip:rank=2:step=5",
+                    spool=out / "spool", timeout=600, check=False)
     assert proc.returncode != 0  # SDCDetected leaves trainer.fit on every rank; torchrun reports the failure
     assert "SDCDetected" in proc.stderr
     # flipped before step 5; the end-of-epoch checkpoint after step 5 runs check 3 first: no file is written

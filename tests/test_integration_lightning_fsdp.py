@@ -10,37 +10,24 @@ One torchrun launch runs several of the example's scripts in turn (tests/lightni
       names, a weight bit flipped on rank 3; pure FSDP: a NaN in rank 1's forward, a scaled reduced shard.
 """
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from torchrun_jobs import ROOT, rank_results, spooled_alarms, spooled_stats, torchrun
 
 from sdcguard import cli
 from sdcguard.errors import ConfigurationError
 
 pytestmark = pytest.mark.multiprocess
-ROOT = Path(__file__).resolve().parent.parent
 RANKS = 4
 FSDP = ["--epochs", "2", "--audit-every", "4", "--weight-check-every", "2", "--accumulate", "2", "--clip", "1.0"]
 HSDP = ["--epochs", "3", "--audit-every", "3", "--weight-check-every", "2", "--accumulate", "2", "--clip", "1.0",
         "--replicate", "2"]
 
 
-def _env() -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONSAFEPATH": "1"}
-    for var in ("SDCGUARD_AUDIT_EVERY", "SDCGUARD_WEIGHT_CHECK_EVERY", "SDCGUARD_SPOOL"):
-        env.pop(var, None)  # the flags decide
-    return env
-
-
 def _read(out: Path) -> dict:
-    spool = out / "spool"
-    return {"out": out,
-            "results": [json.loads((out / f"result-rank{r}.json").read_text()) for r in range(RANKS)],
-            "alarms": [json.loads(p.read_text()) for p in sorted(spool.glob("*.alarm.json"))],
-            "stats": [json.loads(p.read_text()) for p in sorted((spool / "stats").glob("rank-*.json"))]}
+    return {"out": out, "results": rank_results(out, RANKS), "alarms": spooled_alarms(out / "spool"),
+            "stats": spooled_stats(out / "spool")}
 
 
 def run_plan(tmp: Path, plan: list[tuple[str, dict]]) -> dict[str, dict]:
@@ -52,10 +39,7 @@ def run_plan(tmp: Path, plan: list[tuple[str, dict]]) -> dict[str, dict]:
             entry["resume_as_alarmed"] = str(tmp / spec["resume_as"])
         entries.append(entry)
     (tmp / "plan.json").write_text(json.dumps(entries))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
-                           str(ROOT / "tests" / "lightning_worker.py"), str(tmp / "plan.json"), "lightning_fsdp"],
-                          capture_output=True, text=True, timeout=600, env=_env(), cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    torchrun(RANKS, ROOT / "tests" / "lightning_worker.py", tmp / "plan.json", "lightning_fsdp", timeout=600)
     return {name: _read(tmp / name) for name, _ in plan}
 
 

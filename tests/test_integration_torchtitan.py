@@ -16,12 +16,12 @@ torchtitan's clipping, AdamW and LR schedule.
     to torchtitan, a NaN in one rank's forward and a corrupted all-reduce caught.
 """
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from torchrun_jobs import rank_results, spooled_alarms, start
 
 pytest.importorskip("torchtitan")
 pytestmark = pytest.mark.multiprocess
@@ -31,13 +31,7 @@ HSDP = ["--replicate", "2", "--shard", "2", "--accum", "2"]
 
 def _start(script, out, ranks, *flags):
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONSAFEPATH": "1", "SDCGUARD_SPOOL": str(out / "spool")}
-    for var in ("SDCGUARD_AUDIT_EVERY", "SDCGUARD_WEIGHT_CHECK_EVERY"):
-        env.pop(var, None)  # the flags decide
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-         str(EXAMPLES / script), "--out", str(out), *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return start(ranks, EXAMPLES / script, "--out", out, *flags, spool=out / "spool")
 
 
 def _finish(out, proc, ranks, ok=True):
@@ -48,8 +42,7 @@ def _finish(out, proc, ranks, ok=True):
         output, _ = proc.communicate()
     if ok:
         assert proc.returncode == 0, output[-8000:]
-    results = [json.loads(p.read_text()) for r in range(ranks) if (p := out / f"result-rank{r}.json").exists()]
-    alarms = [json.loads(p.read_text()) for p in sorted((out / "spool").glob("*.alarm.json"))]
+    results, alarms = rank_results(out, ranks, present_only=True), spooled_alarms(out / "spool")
     return {"results": results, "alarms": alarms, "output": output, "returncode": proc.returncode}
 
 
