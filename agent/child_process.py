@@ -1,6 +1,7 @@
 """Child processes that cannot outlive the command that started them."""
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -26,12 +27,14 @@ def stop_on_sigterm() -> None:
 
 
 def exit_without_finalizing(code: int) -> None:
-    """End a torch.distributed worker whose results are on disk, skipping interpreter
-    finalization. Why: FSDP2's own all-gathers and reduce-scatters drop their gloo ops after
-    ``wait()``, and a gloo worker thread that lets go of the last reference during finalization is
-    killed inside a C++ destructor ("terminate called without an active exception", SIGABRT: a
-    passed run read as failed; seen in CI at the end of a 4-rank pure-FSDP drill under load). The
-    library holds its own ops (``checks.exchange.hold``) but cannot hold FSDP2's."""
+    """End a torch.distributed worker whose results are on disk: the ``atexit`` handlers run (a
+    Guard's statistics, logging), interpreter finalization does not. Why: FSDP2's own all-gathers
+    and reduce-scatters drop their gloo ops after ``wait()``, and a gloo worker thread that lets go
+    of the last reference during finalization is killed inside a C++ destructor ("terminate called
+    without an active exception", SIGABRT: a passed run read as failed; seen in CI at the end of a
+    4-rank pure-FSDP drill under load). The library holds its own ops (``checks.exchange.hold``)
+    but cannot hold FSDP2's."""
+    atexit._run_exitfuncs()  # what a normal exit runs first, while the interpreter is whole
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

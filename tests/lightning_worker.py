@@ -21,6 +21,8 @@ import sys
 
 import torch.distributed as dist
 
+from sdcguard.child_process import exit_without_finalizing
+
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
@@ -57,3 +59,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_finalizing(0)  # FSDP2's gloo ops at finalization (see its docstring)
