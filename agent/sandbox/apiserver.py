@@ -30,7 +30,7 @@ Fixed here, server-side, because kmock 0.8 lacks them (see ../shared/TOOLING.md)
 and optimistic concurrency on it: a patch carrying a stale ``metadata.resourceVersion`` answers
 409 Conflict (a JSON-patch ``test`` of a stale one answers 422, as kopf expects); core discovery says ``v1``;
 lists carry ``kind``/``apiVersion``; watch streams are served as JSON lines.
-Added: server-side printing (``kubectl get`` shows the printer columns of deploy/crds);
+Added: server-side printing (``kubectl get`` shows the printer columns of deploy/crds; printing.py);
 equality field/label selectors on list and watch, as a real API server applies them; object requests
 are served straight from the store (kmock's reaction matching costs time proportional to all past
 requests, which a flood of Events turns into seconds per request), so kmock reactions do not
@@ -55,10 +55,10 @@ Added for sdcguard's approval model (server-side, like the API server's own part
 
 Fault injection (``kube.inject(rate, users={...})``): a share of the requests of the named users
 is answered 500 / 409 (writes only) / 429 or stalled for seconds, server-side, like an overloaded
-API server.
+API server (api_faults.py).
 ``coordination.k8s.io/v1`` leases are served (leader election).
 
-Our CRDs' schemas are applied server-side as for a structural schema: unknown fields are pruned
+Our CRDs' schemas are applied server-side as for a structural schema (crd_schema.py): unknown fields are pruned
 (each one recorded in ``kube.emulator.pruned``, so tests can insist on none), nulls of
 non-nullable fields dropped, wrong types and values outside an enum answered 422.
 
@@ -86,6 +86,9 @@ import attrs
 import jsonpatch
 import kmock
 from kmock._internal import dicts, enums, rendering
+
+from . import api_faults, crd_schema, printing
+from .api_faults import Faults
 
 ALL_VERBS = ("get", "list", "watch", "create", "update", "patch", "delete")
 
@@ -123,53 +126,14 @@ class _DirectDispatch(kmock.KubernetesScaffold):
                      enums.action.CREATE: self._serve_create, enums.action.UPDATE: self._serve_update,
                      enums.action.DELETE: self._serve_delete}[request.action]
             payload = await serve(request)
-            columns = PRINTER_COLUMNS.get(str(request.resource.plural))
+            columns = printing.PRINTER_COLUMNS.get(str(request.resource.plural))
             if columns and request.action in (enums.action.LIST, enums.action.FETCH) \
                     and "as=Table" in request.headers.get("Accept", ""):
-                payload = _table(payload, columns)
+                payload = printing.table(payload, columns)
             return aiohttp.web.json_response(payload)
         return await super()._handle(request)
 
 
-@attrs.define(kw_only=True)
-class Faults:
-    """Server-side fault injection for requests made by some users (the operator), not the caller's own.
-
-    Each request of a user in ``users`` is, with probability ``rate``, answered with one of
-    ``codes`` (500, 409, 429: the Status a real API server sends) or stalled for ``stall`` seconds
-    before being served (a slow or hung API server; the client's own timeouts apply).  ``counts``
-    says how many of each were injected.  ``rate = 0`` (the default) turns injection off.
-    """
-
-    rate: float = 0.0
-    users: set[str] = attrs.field(factory=set)
-    codes: tuple[int, ...] = (500, 409, 429)
-    stall_share: float = 0.25
-    """Share of the faults that are stalls rather than error answers."""
-    stall: tuple[float, float] = (1.0, 4.0)
-    seed: int | None = None
-    counts: dict[str, int] = attrs.field(factory=dict)
-    _rng: Any = attrs.field(default=None, init=False)
-
-    def pick(self, user: str, write: bool = True) -> int | float | None:
-        """None: serve normally; an int: answer that status; a float: stall that many seconds.
-        A read (``write=False``) is never answered 409: an API server answers Conflict to writes only."""
-        import random
-        if self.rate <= 0 or user not in self.users:
-            return None
-        if self._rng is None:
-            self._rng = random.Random(self.seed)
-        if self._rng.random() >= self.rate:
-            return None
-        if self._rng.random() < self.stall_share:
-            self.counts["stall"] = self.counts.get("stall", 0) + 1
-            return self._rng.uniform(*self.stall)
-        code = self._rng.choice([c for c in self.codes if write or c != 409] or [500])
-        self.counts[str(code)] = self.counts.get(str(code), 0) + 1
-        return code
-
-
-_FAULT_REASONS = {500: "InternalError", 409: "Conflict", 429: "TooManyRequests"}
 
 
 SAR_PATH = "/apis/authorization.k8s.io/v1/subjectaccessreviews"
@@ -233,7 +197,7 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
         if isinstance(fault, float):
             await asyncio.sleep(fault)
         elif isinstance(fault, int):
-            return _status(fault, _FAULT_REASONS.get(fault, "InternalError"), f"injected ({fault})")
+            return _status(fault, api_faults.REASONS.get(fault, "InternalError"), f"injected ({fault})")
         if request.resource is not None and request.action in (enums.action.CREATE, enums.action.UPDATE,
                                                                enums.action.DELETE) \
                 and request.params.get("watch") not in ("True", "1", "true") and request.url.path != SAR_PATH:
@@ -263,7 +227,7 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
             if denied is not None:
                 return denied
         if request.resource is not None and request.action in (enums.action.CREATE, enums.action.UPDATE) \
-                and str(request.resource.plural) in SCHEMAS:
+                and str(request.resource.plural) in crd_schema.SCHEMAS:
             invalid = self._structural(request)
             if invalid is not None:
                 return invalid
@@ -384,7 +348,7 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
         name = request.name or (new.get("metadata") or {}).get("name")
         errors: list[str] = []
         dropped: list[str] = []
-        final = _prune(new, SCHEMAS[plural], "", dropped, errors, root=True)
+        final = crd_schema.prune(new, crd_schema.SCHEMAS[plural], "", dropped, errors, root=True)
         if errors:
             info = self.resources.get(request.resource)
             return _status(422, "Invalid", f'{info.kind if info else plural}.{request.resource.group} "{name}" is '
@@ -517,131 +481,6 @@ def _field(obj: dict[str, Any], path: str) -> Any:
 
 def _label(obj: dict[str, Any], key: str) -> Any:
     return ((obj.get("metadata") or {}).get("labels") or {}).get(key)
-
-
-#: The project's CRDs, copied from deploy/crds by ``make manifests`` (shipped with the package).
-CRD_DIR = pathlib.Path(__file__).resolve().parent / "crds"
-
-
-def _load_printer_columns() -> dict[str, list[dict[str, Any]]]:
-    """additionalPrinterColumns of the project's CRDs, by plural."""
-    import yaml
-
-    columns = {}
-    for path in sorted(CRD_DIR.glob("*.yaml")):
-        crd = yaml.safe_load(path.read_text())
-        columns[crd["spec"]["names"]["plural"]] = crd["spec"]["versions"][0].get("additionalPrinterColumns", [])
-    return columns
-
-
-_AGE = {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}
-#: Server-side printing (``kubectl get`` asks for a Table) of our CRDs, as the API server does it,
-#: and of pods and nodes in the columns people look for (``@…``: computed, see ``_COMPUTED``).
-PRINTER_COLUMNS = {
-    **_load_printer_columns(),
-    "pods": [{"name": "Status", "type": "string", "jsonPath": ".status.phase"},
-             {"name": "Node", "type": "string", "jsonPath": ".spec.nodeName"}, _AGE],
-    "nodes": [{"name": "Status", "type": "string", "jsonPath": "@node-status"}, _AGE],
-}
-def _load_schemas() -> dict[str, dict[str, Any]]:
-    """openAPIV3Schema of the project's CRDs, by plural."""
-    import yaml
-
-    return {crd["spec"]["names"]["plural"]: crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-            for crd in (yaml.safe_load(path.read_text()) for path in sorted(CRD_DIR.glob("*.yaml")))}
-
-
-SCHEMAS = _load_schemas()
-_TYPES: dict[str, Callable[[Any], bool]] = {
-    "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
-    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),
-}
-_DROP = object()
-
-
-def _prune(value: Any, schema: dict[str, Any], path: str, dropped: list[str], errors: list[str],
-           root: bool = False) -> Any:
-    """``value`` as the API server stores it under a structural ``schema`` (see ``_structural``)."""
-    if value is None:
-        return None if schema.get("nullable") else _DROP
-    kind = schema.get("type")
-    if kind and not _TYPES.get(kind, lambda v: True)(value):
-        errors.append(f"{path or '<root>'}: Invalid value: {value!r}: must be of type {kind}")
-        return value
-    if "enum" in schema and value not in schema["enum"]:
-        errors.append(f"{path}: Unsupported value: {value!r}: supported values: {schema['enum']}")
-        return value
-    if isinstance(value, list):
-        items = schema.get("items") or {}
-        kept = [_prune(v, items, f"{path}[{i}]", dropped, errors) for i, v in enumerate(value)]
-        return [v for v in kept if v is not _DROP]
-    if not isinstance(value, dict):
-        return value
-    properties = schema.get("properties") or {}
-    extra = schema.get("additionalProperties")
-    keep_unknown = schema.get("x-kubernetes-preserve-unknown-fields") or extra is True
-    out: dict[str, Any] = {}
-    for key, item in value.items():
-        where = f"{path}.{key}" if path else key
-        if root and key in ("apiVersion", "kind", "metadata"):
-            out[key] = item
-        elif key in properties:
-            kept = _prune(item, properties[key], where, dropped, errors)
-            if kept is not _DROP:
-                out[key] = kept
-        elif isinstance(extra, dict):
-            kept = _prune(item, extra, where, dropped, errors)
-            if kept is not _DROP:
-                out[key] = kept
-        elif keep_unknown:
-            out[key] = item
-        else:
-            dropped.append(where)
-    return out
-
-
-_COMPUTED: dict[str, Callable[[dict[str, Any]], Any]] = {
-    "@node-status": lambda node: "Ready" + (",SchedulingDisabled" if (node.get("spec") or {}).get("unschedulable")
-                                            else ""),
-}
-
-
-def _jsonpath(obj: Any, path: str) -> Any:
-    """The subset of JSONPath used by printer columns: ``.a.b``, ``.a[*].b``."""
-    values = [obj]
-    for part in path.strip(".").split("."):
-        name = part.removesuffix("[*]")
-        values = [v.get(name) if isinstance(v, dict) else None for v in values]
-        if part.endswith("[*]"):
-            values = [item for v in values if isinstance(v, list) for item in v]
-    values = [v for v in values if v is not None]
-    if not values:
-        return None
-    return ",".join(str(v) for v in values) if len(values) > 1 or isinstance(values[0], (dict, list)) else values[0]
-
-
-def _age(stamp: str | None) -> str:
-    if not stamp:
-        return "<unknown>"
-    then = datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
-    seconds = int((datetime.datetime.now(datetime.timezone.utc) - then).total_seconds())
-    return f"{seconds}s" if seconds < 120 else f"{seconds // 60}m" if seconds < 7200 else f"{seconds // 3600}h"
-
-
-def _table(payload: dict[str, Any], columns: list[dict[str, Any]]) -> dict[str, Any]:
-    items = payload["items"] if "items" in payload else [payload]
-    definitions = [{"name": "Name", "type": "string", "format": "name", "description": "", "priority": 0}] + [
-        {"name": c["name"], "type": c["type"], "format": c.get("format", ""), "description": c.get("description", ""),
-         "priority": c.get("priority", 0)} for c in columns]
-    rows = [{"cells": [item["metadata"]["name"]] + [
-        _COMPUTED[c["jsonPath"]](item) if c["jsonPath"] in _COMPUTED else
-        _age(_jsonpath(item, c["jsonPath"])) if c["type"] == "date" else _jsonpath(item, c["jsonPath"])
-        for c in columns], "object": {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
-                                      "metadata": item["metadata"]}} for item in items]
-    return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": payload.get("metadata", {}),
-            "columnDefinitions": definitions, "rows": rows}
 
 
 def _now() -> str:
