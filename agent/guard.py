@@ -39,7 +39,7 @@ from .checks.determinism import check_replayable
 from .checks.replay import replaying, snapshot_buffers
 from .checks.topology import Topology, gather_topology, identity
 from .config import Config
-from .contract.stats import CheckStats
+from .contract.stats import CheckStats, stats_path
 from .errors import NonFiniteGradient
 from .fingerprint import triton_kernel as fingerprint_triton
 from .gate import UpdateGate
@@ -146,6 +146,8 @@ class Guard:
         # The statistics reach the spool even when nobody calls close(): when this Guard is
         # collected (a Guard local to a function that returned) or at interpreter exit, whichever
         # comes first. The finalizer holds the statistics and the path, never the Guard.
+        if self.config.spool:
+            _NEWEST_STATS[str(stats_path(self.config.spool, self.topology.rank))] = self.stats
         self._flush_at_end = weakref.finalize(self, _flush_quietly, self.stats, self.config.spool)
         self._log_configuration()
 
@@ -501,8 +503,17 @@ def _solo_topology(config: Config) -> Topology:
     return Topology(0, 1, 1, {0: identity(0, config.pod, config.node, config.pod_uid)}, run_id=uuid.uuid4().hex[:12], threads={0: torch.get_num_threads()})
 
 
-def _flush_quietly(stats: Any, spool: str | None) -> None:
-    """A Guard's statistics flushed by its finalizer (collection or interpreter exit)."""
+_NEWEST_STATS: dict[str, CheckStats] = {}
+"""A statistics file -> the statistics of the newest Guard writing it (the drill, or a loop that
+builds a new Guard after an alarm, has several Guards on one spool and rank in one process)."""
+
+
+def _flush_quietly(stats: CheckStats, spool: str | None) -> None:
+    """A Guard's statistics flushed by its finalizer (collection or interpreter exit), unless a
+    newer Guard owns the file: an older one collected late, or finalized after the newer one at
+    exit (finalizers run newest first), must not put its stale figures back."""
+    if spool is None or _NEWEST_STATS.get(str(stats_path(spool, stats.identity["rank"]))) is not stats:
+        return
     try:
         stats.flush(spool, force=True)
     except Exception:  # noqa: BLE001 - a collection or the interpreter's exit must never fail

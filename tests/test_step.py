@@ -352,3 +352,18 @@ def test_a_guard_nobody_closes_flushes_its_statistics_when_collected_and_closing
     del model, opt, guard
     gc.collect()
     assert not stats_path(str(tmp_path / "b"), 0).exists()  # closed once: not written again
+
+    # two Guards on one spool and rank (a loop that builds a new one after an alarm): the older one,
+    # collected after the newer one wrote, leaves the newer one's figures in the file
+    model, opt, older = make(spool=str(tmp_path / "c"))
+    with older.step(0) as s:
+        s.backward(data(0))
+        s.check()
+        opt.step()
+    _, _, newer = make(spool=str(tmp_path / "c"))
+    newer.flush_stats()
+    finalizer = older._flush_at_end
+    del older, model, opt, s
+    gc.collect()
+    assert not finalizer.alive  # the older Guard was collected (and its finalizer ran)
+    assert json.loads(stats_path(str(tmp_path / "c"), 0).read_text())["steps"] == 0  # the newer Guard's
