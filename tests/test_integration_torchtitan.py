@@ -13,7 +13,9 @@ torchtitan's clipping, AdamW and LR schedule.
     verified before torchtitan loads it (bit-identical to torchtitan's own resume), a flipped byte
     refused; an alarm naming the last checkpoint before its window, none written after it;
   - the replicate-only mesh (data_parallel_shard_degree=1, FSDP2 on a (2, 1) mesh) checked (slow): bit-identical
-    to torchtitan, a NaN in one rank's forward and a corrupted all-reduce caught.
+    to torchtitan, a NaN in one rank's forward and a corrupted all-reduce caught;
+  - bfloat16 parameters (training.mixed_precision_param, torchtitan's default; slow): bit-identical to
+    torchtitan with every check run, and the compute and reduction faults caught as in float32.
 """
 import json
 import subprocess
@@ -69,6 +71,23 @@ def test_clean_run_is_bit_identical_to_torchtitan_without_sdcguard(clean):
     digests = [g["weights_digest"] for g in guarded]
     assert digests[0] == digests[2] and digests[1] == digests[3] and digests[0] != digests[1]
     assert clean["guarded"]["alarms"] == []
+
+
+@pytest.mark.slow  # a 4-rank launch pair
+def test_bfloat16_parameters_run_bit_identical_to_torchtitan_with_every_check(tmp_path):
+    """training.mixed_precision_param = "bfloat16" (torchtitan's default): FSDP2 all-gathers and
+    computes in bfloat16, reduces the gradients in float32; audited every 2 steps, the guarded run
+    ends where torchtitan's own does, bit for bit, with every check run and none raised."""
+    flags = [*HSDP, "--steps", "4", "--audit-every", "2", "--weight-check-every", "2",
+             "--mixed-precision-param", "bfloat16"]
+    procs = {name: _start(script, tmp_path / name, 4, *flags)
+             for name, script in (("guarded", "train.py"), ("plain", "train_plain.py"))}
+    guarded, plain = (_finish(tmp_path / name, proc, 4) for name, proc in procs.items())
+    assert guarded["alarms"] == [] and len(guarded["results"]) == len(plain["results"]) == 4
+    for g, p in zip(guarded["results"], plain["results"]):
+        assert (g["error"], g["alarms"], g["step"]) == (None, [], 4)
+        assert (g["weights_digest"], g["losses"]) == (p["weights_digest"], p["losses"])
+        assert (g["last_audited"], g["last_weights_verified"], g["last_reduction_verified"]) == (4, 4, 4)
 
 
 @pytest.mark.slow  # a 4-rank launch pair: `make test` stays under its budget
@@ -150,8 +169,10 @@ COMPUTE = ["forward-nan:rank=2:step=1", "grad-inf:rank=1:step=2", "forward-scale
 
 
 @pytest.mark.slow
-def test_compute_and_reduction_faults_are_caught_by_their_check_naming_the_rank(tmp_path):
-    flags = [*HSDP, "--steps", "6", "--audit-every", "1", "--weight-check-every", "1", "--keep-going"]
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])  # bfloat16: torchtitan's default parameter dtype
+def test_compute_and_reduction_faults_are_caught_by_their_check_naming_the_rank(tmp_path, precision):
+    flags = [*HSDP, "--steps", "6", "--audit-every", "1", "--weight-check-every", "1", "--keep-going",
+             "--mixed-precision-param", precision]
     for spec in COMPUTE:
         flags += ["--inject", spec]
     run = _finish(tmp_path, _start("train.py", tmp_path, 4, *flags), 4)
