@@ -15,7 +15,9 @@ torchtitan's clipping, AdamW and LR schedule.
   - the replicate-only mesh (data_parallel_shard_degree=1, FSDP2 on a (2, 1) mesh) checked (slow): bit-identical
     to torchtitan, a NaN in one rank's forward and a corrupted all-reduce caught;
   - bfloat16 parameters (training.mixed_precision_param, torchtitan's default; slow): bit-identical to
-    torchtitan with every check run, and the compute and reduction faults caught as in float32.
+    torchtitan with every check run, and the compute and reduction faults caught as in float32;
+  - compile.enable (slow): unaudited compiled steps bit-identical to torchtitan's, an audited one
+    (eager) catching a flipped gradient bit.
 """
 import json
 import subprocess
@@ -88,6 +90,27 @@ def test_bfloat16_parameters_run_bit_identical_to_torchtitan_with_every_check(tm
         assert (g["error"], g["alarms"], g["step"]) == (None, [], 4)
         assert (g["weights_digest"], g["losses"]) == (p["weights_digest"], p["losses"])
         assert (g["last_audited"], g["last_weights_verified"], g["last_reduction_verified"]) == (4, 4, 4)
+
+
+@pytest.mark.slow  # three compiled 4-rank jobs side by side (~2-3 min: inductor on 2 cores)
+def test_compiled_blocks_audited_eagerly_catch_a_fault_and_unaudited_steps_stay_bit_identical(tmp_path):
+    """compile.enable (torchtitan compiles every block and the loss): checks 1, 3 and 4 run on the
+    compiled steps, which stay bit for bit torchtitan's own; an audited step runs eagerly (its own
+    pass and the replay), so it catches a flipped gradient bit and raises nothing else, but from
+    the first audit on the run no longer matches the compiled one bit for bit (eager and compiled
+    kernels round differently)."""
+    common = [*HSDP, "--steps", "4", "--weight-check-every", "2", "--compile"]
+    procs = {"audited": _start("train.py", tmp_path / "audited", 4, *common, "--audit-every", "2", "--keep-going",
+                               "--inject", "grad-bitflip:rank=1:step=2"),
+             "unaudited": _start("train.py", tmp_path / "unaudited", 4, *common, "--audit-every", "0"),
+             "plain": _start("train_plain.py", tmp_path / "plain", 4, *common)}
+    audited, unaudited, plain = (_finish(tmp_path / name, proc, 4) for name, proc in procs.items())
+    for a, u, p in zip(audited["results"], unaudited["results"], plain["results"]):
+        assert [(x["check"], x["step"], x["suspect_ranks"]) for x in a["alarms"]] == [("replay", 2, [1])]
+        assert (a["step"], a["last_audited"]) == (4, 4)  # the audit of step 4 passed: no false alarm
+        assert (u["error"], u["alarms"], u["step"], u["last_weights_verified"]) == (None, [], 4, 4)
+        assert (u["weights_digest"], u["losses"]) == (p["weights_digest"], p["losses"])
+    assert [x["check"] for x in audited["alarms"]] == ["replay"]
 
 
 @pytest.mark.slow  # a 4-rank launch pair: `make test` stays under its budget

@@ -25,6 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--mixed-precision-param", default="float32", choices=["float32", "bfloat16"],
         help="training.mixed_precision_param: FSDP2's parameter dtype in forward and backward (torchtitan's "
              "default is bfloat16; the gradients are reduced in float32)")
+    add("--compile", action="store_true", help="compile.enable (torchtitan compiles each block and the loss)")
     add("--spmd-backend", default="partial_dtensor", help="parallelism.spmd_backend (torchtitan default: spmd_types)")
     add("--checkpoint-every", type=int, default=0, help="checkpoint.interval; 0: no checkpoints")
     add("--out", default="out-torchtitan", help="dump_folder: checkpoints and per-rank result files")

@@ -62,7 +62,7 @@ from torchtitan.components.loss import CrossEntropyLoss  # noqa: E402
 from torchtitan.components.metrics import MetricsProcessor  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw  # noqa: E402
 from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
-from torchtitan.config import DebugConfig, ParallelismConfig, TrainingConfig  # noqa: E402
+from torchtitan.config import CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig  # noqa: E402
 from torchtitan.models import llama3  # noqa: E402
 from torchtitan.models.common import (ComplexRoPE, Embedding, Linear, RMSNorm,  # noqa: E402
                                       compute_ffn_hidden_dim)
@@ -186,6 +186,7 @@ def tiny_config(args: Any, config_class: type = Trainer.Config, **extra: Any) ->
         parallelism=ParallelismConfig(data_parallel_replicate_degree=args.replicate,
                                       data_parallel_shard_degree=args.shard, spmd_backend=args.spmd_backend,
                                       fsdp_reshard_after_forward=os.environ.get("TT_RESHARD", "default")),
+        compile=CompileConfig(enable=args.compile),
         metrics=MetricsProcessor.Config(log_freq=1),
         activation_checkpoint=None,
         debug=DebugConfig(seed=args.seed),
