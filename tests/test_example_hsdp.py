@@ -70,6 +70,7 @@ def runs(tmp_path_factory):
     return {name: _finish(root / name, proc) for name, proc in procs.items()}
 
 
+@pytest.mark.slow  # three 4-rank launches (~45 s): make test keeps test_fsdp.py's HSDP 2 x 2 runs
 def test_clean_hsdp_run_under_mixed_precision_raises_nothing_and_every_check_ran(runs):
     clean = runs["clean"]
     for r in clean["results"]:
@@ -91,6 +92,7 @@ def test_clean_hsdp_run_under_mixed_precision_raises_nothing_and_every_check_ran
     assert digests[0] == digests[2] and digests[1] == digests[3] and digests[0] != digests[1]
 
 
+@pytest.mark.slow
 def test_clean_run_is_bitwise_the_same_loop_without_sdcguard(runs):
     # mixed precision, 2 micro-batches each reduce-scattered and all-reduced, clip_grad_norm_ on
     # DTensors, AdamW, warm-up + cosine, two audits: the same arithmetic, so the same bits
@@ -102,6 +104,7 @@ def test_clean_run_is_bitwise_the_same_loop_without_sdcguard(runs):
     assert runs["faults"]["results"][0]["losses"]["0"] != runs["clean"]["results"][0]["losses"]["0"]
 
 
+@pytest.mark.slow
 def test_injected_faults_are_caught_naming_the_rank_and_its_place_in_the_mesh(runs):
     faults = runs["faults"]
     expected = [("nonfinite-local", 1, [2]), ("replay", 3, [1])]

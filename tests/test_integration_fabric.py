@@ -52,6 +52,7 @@ def job(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # the job fixture's 2-rank launches (~30 s): make test keeps the Lightning and Hugging Face clean runs
 @pytest.mark.multiprocess
 def test_clean_run_is_bitwise_the_plain_fabric_loop(job):
     guarded, plain = rank_results(job / "clean", 2), rank_results(job / "plain", 2)
@@ -67,6 +68,7 @@ def test_clean_run_is_bitwise_the_plain_fabric_loop(job):
     assert stats["checks"]["weights"]["runs"] >= 8 and stats["last_verified_step"] == 6  # the last audit
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_replays_run_under_fabrics_precision(job, precision):
@@ -79,6 +81,7 @@ def test_replays_run_under_fabrics_precision(job, precision):
     assert stats["checks"]["replay"]["runs"] == 2 and stats["last_verified_step"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_fabric_save_writes_a_manifest_and_keeps_the_resume_point(job):
     import torch
@@ -99,6 +102,7 @@ def test_fabric_save_writes_a_manifest_and_keeps_the_resume_point(job):
         assert all(torch.equal(a[k], b[k]) for k in b)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_fabric_load_resumes_bitwise_and_inherits_the_history(job):
     clean, resumed = rank_results(job / "clean", 2), rank_results(job / "resumed", 2)
@@ -111,6 +115,7 @@ def test_fabric_load_resumes_bitwise_and_inherits_the_history(job):
         (3, str(job / "clean" / "ckpt.sdcguard-step3.pt"))]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_tampered_or_other_checkpoint_is_refused_on_every_rank(job):
     for name, message in (("tampered", "was modified after it was verified"), ("other-step", "not step 3")):

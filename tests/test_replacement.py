@@ -165,6 +165,7 @@ def test_a_pre_created_or_status_approved_nodereplacement_is_never_acted_on(worl
         "PendingApproval"
 
 
+@pytest.mark.slow  # ~40 s of operator restarts; test_leader.py kills the leader at random points in make test
 def test_killed_after_every_phase_repeats_no_aws_call(make_world):
     """Restart safety: the operator is SIGKILLed after every phase (and twice while an AWS call is
     in flight) and started again; the flow completes and every AWS action happens exactly once,
