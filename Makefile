@@ -55,8 +55,8 @@ test: $(STAMP) $(TOOLS) $(PROMTOOL)
 	$(PY) -m pytest -q -m "not slow"
 
 # The long multi-process runs (the sharded drill, the drill's recovery matrix, the compiled
-# examples, the framework integrations' fault matrices and resumes, the operator's longest
-# reliability tests); CI runs them after `make test`.
+# examples and the HSDP example, the framework integrations' fault matrices and resumes and the
+# Fabric job, the operator's longest reliability tests); CI runs them after `make test`.
 test-slow: $(STAMP) $(TOOLS) $(PROMTOOL)
 	$(PY) -m pytest -q -m slow
 
