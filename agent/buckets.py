@@ -27,7 +27,7 @@ def settle_buckets(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, A
     BatchNorm statistics) and the gradients are as before; the optimizer is not touched. A model
     without DDP (one process) has nothing to settle.
     """
-    from .guard import unwrap
+    from .layouts import unwrap
 
     ddp, module, _ = unwrap(model)
     if ddp is None:

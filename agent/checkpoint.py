@@ -11,18 +11,18 @@ match its manifest.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from . import manifest as manifest_codec
 from . import recovery
 from .checks.exchange import broadcast_json, wait
 from .checks.weights import fingerprint_weights
@@ -33,8 +33,6 @@ from .fingerprint import digest, fingerprint_many
 log = logging.getLogger("sdcguard")
 
 MANIFEST_SCHEMA = "sdcguard.dev/checkpoint/v1"
-# Checkpoints before it that a manifest lists (a window rarely reaches further back).
-EARLIER_CHECKPOINTS = 16
 # Prefixes torch.compile and DDP put in front of a module's state-dict keys.
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
@@ -102,31 +100,6 @@ def manifest_step(known: int | None, given: int | None, path: Any) -> int:
     return known
 
 
-def resumed_history(path: str | os.PathLike[str], manifest: Mapping[str, Any], *,
-                    still_holds: Callable[[str, int, str | None], bool] | None = None) -> recovery.History:
-    """What a run resumed from ``path`` inherits: the verification its manifest recorded and the
-    earlier checkpoints it lists that still hold their step (a path written again holds another).
-    ``still_holds(path, step, sha256)`` checks one of those (default: a file and its manifest)."""
-    holds = still_holds if still_holds is not None else _still_holds
-    step = int(manifest["step"])
-    audited = manifest.get("audited_step")
-    earlier = [recovery.Checkpoint(int(c["step"]), str(c["path"]), c.get("audited_step"), c.get("sha256"),
-                                   c.get("kept_from"))
-               for c in manifest.get("earlier_checkpoints") or [] if holds(c["path"], c["step"], c.get("sha256"))]
-    return recovery.History(
-        last_audited_step=audited, last_weights_verified_step=step,
-        last_reduction_verified_step=manifest.get("reduction_verified_step"),
-        checkpoints=[*earlier, recovery.Checkpoint(step, str(path), audited, manifest["sha256"])])
-
-
-def _still_holds(path: str, step: int, sha256: str | None) -> bool:
-    try:
-        read_manifest(path, expect_step=step, expect_sha256=sha256)
-        return True
-    except (CheckpointError, OSError, ValueError):
-        return False
-
-
 def keep_file(entry: recovery.Checkpoint) -> str | None:
     """Keep the file of ``entry`` (its path is about to be written again, or removed by a framework's
     rotation) under its kept name (``recovery.kept_path``), with its manifest; return that name, or
@@ -165,22 +138,12 @@ def _write(path: Path, state: Mapping[str, Any], facts: Facts, plan: recovery.Sa
                               "(pass the model's own state_dict)")
     _save_atomic(dict(state), path)
     history = facts.history
-    sha256 = file_sha256(path)
-    # The checkpoints before this one, as the history will list them once this save is recorded.
-    after = recovery.after_save(history, plan, recovery.Checkpoint(facts.step, str(path), None), kept_as)
-    earlier = [c for c in after.checkpoints if c.step < facts.step]
+    sha256 = manifest_codec.sha256_file(path)
     write_json_atomic(manifest_path(path), json.dumps({
         "schema": MANIFEST_SCHEMA, "step": facts.step, "verified": True,
         "weight_digest": facts.weight_digest, "sha256": sha256,
         "model_key": facts.model_key, "parameters": facts.parameters,
-        "audited_step": history.last_audited_step,
-        "audited": history.last_audited_step == facts.step,
-        "reduction_verified_step": history.last_reduction_verified_step,
-        # What a run resumed from this file must know to name a checkpoint before a window that
-        # reaches back past it.
-        "earlier_checkpoints": [{"step": c.step, "path": c.path, "audited_step": c.audited_step,
-                                 "sha256": c.sha256, "kept_from": c.kept_from}
-                                for c in earlier[-EARLIER_CHECKPOINTS:]],
+        **manifest_codec.verification_fields(history, facts.step, str(path), plan, kept_as),
         "replicas": facts.replicas,
         "verified_at": now_rfc3339(), "run_id": facts.run_id,
     }, indent=2, sort_keys=True))
@@ -280,7 +243,7 @@ def verified_manifest(path: str | os.PathLike[str], *, expect_step: int | None =
 
 
 def _check_bytes(path: Path, manifest: Mapping[str, Any]) -> None:
-    actual = file_sha256(path)
+    actual = manifest_codec.sha256_file(path)
     if actual != manifest["sha256"]:
         raise CheckpointError(f"{path} was modified after it was verified: sha256 {actual} != manifest {manifest['sha256']}")
 
@@ -364,12 +327,3 @@ def _save_atomic(state: dict[str, Any], path: Path) -> None:
     with open(tmp, "rb+") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-
-
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    """The SHA-256 of a file's bytes (hex), what a manifest's ``sha256`` records."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

@@ -17,38 +17,35 @@ that step is refused; a NaN/Inf that reproduces elsewhere (the data's, not the h
 The model may be ``DistributedDataParallel``, ``torch.compile`` of one, DDP around a compiled
 module, a model sharded with FSDP2 (``fully_shard``: pure FSDP or HSDP; ``sdcguard.sharding``), or
 — with a single process — a plain (or compiled) module: the checks that need other replicas then
-do not run, which the Guard says once at start-up.
+do not run, which the Guard says once at start-up. Each is a layout (``sdcguard.layouts``): the
+Guard holds one and never asks which.
 """
 from __future__ import annotations
 
 import logging
 import os
-import sys
-import uuid
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from . import recovery
-from .checks.audit import Replayer
-from .checks.commhook import GradientRecorder, ReduceHook, record_then_reduce
+from .checks.commhook import ReduceHook
 from .checks.determinism import check_replayable
-from .checks.replay import replaying, snapshot_buffers
-from .checks.topology import Topology, gather_topology, identity
+from .checks.replay import ForwardBuffers
+from .checks.topology import Topology
 from .config import Config
 from .contract.stats import CheckStats, stats_path
 from .errors import NonFiniteGradient
 from .fingerprint import triton_kernel as fingerprint_triton
 from .gate import UpdateGate
+from .layouts import Layout, StepRecord, build_layout, param_device, unwrap
 from .reporting import AlarmReporter
-from .step import Step
+from .step import Step, StepContext
 from .verification import Verifier
 
-if TYPE_CHECKING:
-    from .sharding.verifier import ShardedVerifier
+__all__ = ["Guard", "LossFn", "unwrap"]
 
 log = logging.getLogger("sdcguard")
 
@@ -77,69 +74,43 @@ class Guard:
         # Settings.
         self.model = model
         """What ``loss_fn`` is called with for the real pass (DDP, compiled, or plain)."""
-        self.ddp, self.module, self.compiled = unwrap(model)
-        self.compiled = self.compiled or _compiles_inside(self.module)
-        self.sharded = _is_fsdp(self.module)
-        """FSDP2 (``fully_shard``) at the root: the sharded checks (``sdcguard.sharding``) run."""
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         # A disabled GradScaler (what nanoGPT builds for float32/bfloat16) never skips a step: none.
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.config = config if config is not None else Config.from_env()
-        self.group: dist.ProcessGroup | None = self.ddp.process_group if self.ddp is not None else None
-        distributed = dist.is_available() and dist.is_initialized()
-        if self.ddp is None and not self.sharded and distributed and dist.get_world_size() > 1:
-            raise TypeError("with more than one process, Guard needs the model wrapped in "
-                            "DistributedDataParallel (or torch.compile of it), or sharded with FSDP2's fully_shard")
-        if self.sharded and (reduce_hook is not None or not distributed):
-            raise TypeError("sdcguard: an FSDP2 model needs a process group, and takes no DDP reduce_hook")
-        self.device = (_collective_device(self.group) if self.ddp is not None or self.sharded
-                       else _param_device(self.module))
-        self.topology: Topology = (gather_topology(self.config, self.group, self.device)
-                                   if self.ddp is not None or self.sharded else _solo_topology(self.config))
-        self.solo = self.topology.world_size == 1
-        self._replays = not self.solo
-        """Check 2 can run: more than one rank (a sharded model's ranks replay each other's batches)."""
-        self.named_parameters = list(self.module.named_parameters())
         # The parts.
-        self.recorder: GradientRecorder | None = None
-        if self.ddp is not None:
-            self.recorder = GradientRecorder([p for _, p in self.named_parameters], self.group, reduce_hook,
-                                             reduce_state, seed=self.config.seed)
-            self.ddp.register_comm_hook(self.recorder, record_then_reduce)
-        elif reduce_hook is not None:
-            raise TypeError("reduce_hook needs a DistributedDataParallel model")
-        self.replayer = Replayer(
-            module=self.ddp.module if self.ddp is not None else self.module, loss_fn=loss_fn,
-            params=[(i, p) for i, (_, p) in enumerate(self.named_parameters) if p.requires_grad],
-            names={i: n for i, (n, _) in enumerate(self.named_parameters)},
-            topology=self.topology, group=self.group, device=self.device, seed=self.config.seed,
-        )
-        if self.config.audit_every and self._replays:
-            check_replayable(self.topology, _param_device(self.module))
-        if _param_device(self.module).type == "cuda":  # compile and self-test the GPU kernel now, not mid-step
-            fingerprint_triton.ready(_param_device(self.module))
-        if not self.solo and any(True for _ in self.module.buffers()):
-            # Eager even inside compiled code: it keeps Python state, which dynamo must not trace.
-            hook = torch._dynamo.disable(self._remember_buffers) if self.compiled else self._remember_buffers
-            self.replayer.module.register_forward_pre_hook(hook)
         self.gate = UpdateGate(optimizer)
         """Refuses an update before its step's checks passed; counts the updates the weights hold."""
+        self.layout: Layout = build_layout(model, loss_fn=loss_fn, optimizer=optimizer, scaler=self.scaler,
+                                           config=self.config, zero_update=self.gate.zero_update,
+                                           reduce_hook=reduce_hook, reduce_state=reduce_state)
+        """DDP, FSDP2/HSDP or one process: what the checks read, replay, compare and store through."""
+        self.module = self.layout.module
+        """The bare module: what replays run on and checkpoints hold."""
+        self.compiled = self.layout.compiled
+        self.topology: Topology = self.layout.topology
+        self.device = self.layout.device
+        self.group: dist.ProcessGroup | None = self.layout.group
+        self.named_parameters = self.layout.named_parameters
+        self.solo = self.topology.world_size == 1
+        self._replays = not self.solo
+        """Check 2 can run: more than one rank."""
+        if self.config.audit_every and self._replays:
+            check_replayable(self.topology, param_device(self.module))
+        if param_device(self.module).type == "cuda":  # compile and self-test the GPU kernel now, not mid-step
+            fingerprint_triton.ready(param_device(self.module))
+        self.forwards = ForwardBuffers()
+        """The buffers each forward of a recorded step sees (what its replay loads)."""
+        if not self.solo and any(True for _ in self.module.buffers()):
+            # Eager even inside compiled code: it keeps Python state, which dynamo must not trace.
+            self.module.register_forward_pre_hook(torch._dynamo.disable(self.forwards) if self.compiled else self.forwards)
         self.stats = CheckStats(self.topology.identities[self.topology.rank], self.config.job)
-        self.verifier: Verifier | ShardedVerifier
-        if self.sharded:  # the reduce-scatter and all-reduce hooks go on every fully_shard unit here
-            from .sharding.verifier import ShardedVerifier
-            self.verifier = ShardedVerifier(model=self.module, named_parameters=self.named_parameters,
-                                            loss_fn=loss_fn, topology=self.topology, device=self.device,
-                                            stats=self.stats, seed=self.config.seed)
-        else:
-            self.verifier = Verifier(recorder=self.recorder, replayer=self.replayer, topology=self.topology,
-                                     group=self.group, device=self.device, named_parameters=self.named_parameters,
-                                     stats=self.stats)
+        self.verifier = Verifier(self.layout, self.stats)
         self.reporter = AlarmReporter(self.config, self.topology, self.stats, self.group)
-        # The step in progress, while one is.
-        self.recording: Step | None = None
-        """The step whose forward passes run now (the buffers hook records into it)."""
+        self._step_context = StepContext(model=model, loss_fn=loss_fn, scaler=self.scaler, layout=self.layout,
+                                         seed=self.config.seed, forwards=self.forwards, begin=self._begin,
+                                         verify=self._verify, end=self._end)
         self.nonfinite_skipped = 0
         """Steps skipped because of a reproduced NaN/Inf (``on_nonfinite="skip"``)."""
         self._closed = False
@@ -158,7 +129,8 @@ class Guard:
 
         ``audit=True`` makes this step an audit step on demand (e.g. before a checkpoint);
         every rank must pass the same value."""
-        return Step(self, step, micro_batches, self.is_audit_step(step) if audit is None else bool(audit) and self._replays)
+        return Step(self._step_context, step, micro_batches,
+                    self.is_audit_step(step) if audit is None else bool(audit) and self._replays)
 
     def train_step(self, step: int, batch: Any = None, *, micro_batches: Sequence[Any] | None = None,
                    clip_grad_norm: float | None = None, audit: bool | None = None) -> torch.Tensor:
@@ -283,27 +255,26 @@ class Guard:
         from . import checkpoint
         if not checkpoint.rank0_says(bool(when), self.device, self.group, self.solo):
             return None
+        step = self.save_gate(path, step)
+        self.history = self.layout.store.save(str(path), step=step, state=state, model_key=model_key,
+                                              history=self.history, weight_digest=self.last_weights_digest,
+                                              keep=self.config.keep_resume_points)
+        return str(path)
+
+    def save_gate(self, path: str | os.PathLike[str], step: int | None = None) -> int:
+        """What every checkpoint must pass before anything is written, whoever writes its files
+        (this Guard's store, or a framework's own save): no save after an alarm (the state is
+        suspect), the step rule (the manifest's step is the last step whose update the weights
+        include: ``step`` left out, or that value), then check 3 on every rank. Returns the step the
+        checkpoint holds; raises ``CheckpointError`` or ``SDCDetected`` on every rank alike."""
+        from . import checkpoint
         if self.alarms_raised:
             raise checkpoint.CheckpointError(
                 f"refusing to write {path}: this run raised {self.alarms_raised} alarm(s) and its state "
                 "is suspect; resume from the last good checkpoint instead")
         step = checkpoint.manifest_step(self.updates_through, step, path)
         self.check_weights(step)  # raises SDCDetected on every rank when a replica differs
-        if self.sharded:
-            from .sharding import dcp
-            self.history = dcp.save(path, **self._sharded_parts(state, model_key), facts=self._sharded_facts(step),
-                                    keep=self.config.keep_resume_points)
-            return str(path)
-        if state is None:
-            state = {"step": step, model_key: self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                     "scaler": self.scaler.state_dict() if self.scaler is not None else None}
-        facts = checkpoint.Facts(
-            step=step, weight_digest=self.last_weights_digest, parameters=[n for n, _ in self.named_parameters],
-            model_key=model_key, history=self.history, replicas=self.topology.world_size, run_id=self.topology.run_id)
-        self.history = checkpoint.save(path, state, facts, keep=self.config.keep_resume_points,
-                                       writer=self.topology.rank == 0, device=self.device,
-                                       group=None if self.solo else self.group)
-        return str(path)
+        return step
 
     def load_checkpoint(self, path: str | os.PathLike[str], *, model_key: str = "model",
                         expect_step: int | None = None, expect_sha256: str | None = None,
@@ -319,23 +290,9 @@ class Guard:
         DCP reads any, and each rank's loaded shards against the fingerprint its manifest records;
         ``state`` holds the extra entries you saved, loaded in place (``Stateful`` values through
         their ``load_state_dict``)."""
-        from . import checkpoint
-        if self.sharded:
-            from .sharding import dcp
-            manifest, digest = dcp.load(path, **self._sharded_parts(state, model_key), layout=self.verifier.layout,
-                                        expect_step=expect_step, expect_sha256=expect_sha256)
-            step = int(manifest["step"])
-            self.resumed(step, dcp.resumed_history(path, manifest), digest if manifest.get("weights_verified") else None)
-            return step
-        if state is not None:
-            raise TypeError("load_checkpoint(state=) is for sharded models; with DDP, sdcguard.load_checkpoint(path, "
-                            "module, optimizer) returns the dict you saved")
-        manifest = checkpoint.read_manifest(path, expect_step=expect_step, expect_sha256=expect_sha256)
-        checkpoint.load_checkpoint(path, self.module, self.optimizer, self.scaler,
-                                   map_location=_param_device(self.module), model_key=model_key,
-                                   expect_step=int(manifest["step"]), expect_sha256=manifest["sha256"])
-        step = int(manifest["step"])
-        self.resumed(step, checkpoint.resumed_history(path, manifest), manifest["weight_digest"])
+        step, history, digest = self.layout.store.load(str(path), model_key=model_key, expect_step=expect_step,
+                                                       expect_sha256=expect_sha256, state=state)
+        self.resumed(step, history, digest)
         return step
 
     def resumed(self, step: int, history: recovery.History, weights_digest: str | None) -> None:
@@ -346,135 +303,74 @@ class Guard:
         self.verifier.last_weights_digest = weights_digest
         self.gate.resumed_at(step)
 
-    # -- the phases of a step (called by Step) -------------------------------------------------
+    def plan_lines(self) -> list[str]:
+        """Which checks run for this model's layout, and why the others do not (logged at start-up)."""
+        return self.layout.plan_lines()
 
-    def begin(self, s: Step) -> None:
-        self.gate.open(s.step)
-        if self.recorder is not None:
-            self.recorder.begin_step(s.audit, s.step)
-        elif self.sharded:
-            self.verifier.begin_step(s.step, s.audit)
-        self.stats.last_step = s.step
+    # -- the phases of a step (called by Step through its StepContext) -------------------------
 
-    def verify(self, s: Step) -> None:
+    def _begin(self, step: int, audit: bool) -> None:
+        self.gate.open(step)
+        self.layout.begin_step(step, audit)
+        self.stats.last_step = step
+
+    def _verify(self, record: StepRecord) -> bool:
         """Checks 1 and 4 (and 2 and 3 on audit steps) before any update: raise on every rank
-        alike, or let the update through."""
-        outcome = self.verifier.before_update(s.record(), self._scale)
+        alike, or let the update through; True when the update will not be applied."""
+        outcome = self.verifier.before_update(record, self._scale)
         if outcome.verdict is not None:
-            self.reporter.raise_alarm(s.step, outcome.verdict, self.history)
+            self.reporter.raise_alarm(record.step, outcome.verdict, self.history)
+        skipped = False
         if outcome.nonfinite is not None:
-            self._nonfinite_reproduced(s, outcome.nonfinite, outcome.confirmed)
+            skipped = self._nonfinite_reproduced(record.step, outcome.nonfinite, outcome.confirmed)
         self.gate.allow()
+        return skipped
 
-    def end(self, s: Step, failed: BaseException | None) -> None:
+    def _end(self, step: int, unchecked: bool, failed: BaseException | None) -> None:
         # A NaN/Inf refused as the data's is done with, unapplied: the weights are the step before's.
         self.gate.close(done=failed is None or isinstance(failed, NonFiniteGradient))
         if failed is not None:
             return
-        if s.batches and not s.checked:
-            raise RuntimeError(f"sdcguard: step {s.step} ended without s.check(): its gradients were never checked")
-        if self.is_weight_check_step(s.step):
-            self.check_weights(s.step)
+        if unchecked:
+            raise RuntimeError(f"sdcguard: step {step} ended without s.check(): its gradients were never checked")
+        if self.is_weight_check_step(step):
+            self.check_weights(step)
         self.stats.last_verified_step = self.history.last_verified_step
         self.stats.steps += 1
         self.stats.flush(self.config.spool)
 
-    def _nonfinite_reproduced(self, s: Step, ranks: dict[int, int | None], confirmed: bool) -> None:
+    def _nonfinite_reproduced(self, step: int, ranks: dict[int, int | None], confirmed: bool) -> bool:
         """A NaN/Inf that is the data's or the model's, not the hardware's: never an alarm. With
-        an enabled GradScaler an honest overflow: the scaler skips the step."""
+        an enabled GradScaler an honest overflow: the scaler skips the step (returns True)."""
         if self.scaler is not None:
-            s.skipped = True
-            return
-        error = NonFiniteGradient(step=s.step, ranks=ranks, confirmed=confirmed)
+            return True
+        error = NonFiniteGradient(step=step, ranks=ranks, confirmed=confirmed)
         if self.config.on_nonfinite != "skip":
             raise error
         log.warning("%s; skipping the step (on_nonfinite=skip)", error)
         self.nonfinite_skipped += 1
         for _, p in self.named_parameters:  # optimizer.step() then changes nothing
             p.grad = None
-        s.skipped = True
+        return True
 
     @property
     def _scale(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         return self.scaler.scale if self.scaler is not None else None
 
-    def _remember_buffers(self, module: torch.nn.Module, args: Any) -> None:
-        """Forward pre-hook: the buffers this micro-batch's forward sees (after DDP's broadcast),
-        recorded where a replay may need them (audit steps; every step with a GradScaler)."""
-        s = self.recording
-        if s is None or replaying() or not (s.audit or self.scaler is not None):
-            return
-        if len(s.buffers) == len(s.batches):
-            s.buffers.append(snapshot_buffers(module))
-
-    # -- sharded checkpoints (sharding/dcp.py): what the Guard hands them ---------------------
-
-    def _sharded_parts(self, state: dict[str, Any] | None, model_key: str) -> dict[str, Any]:
-        """What a sharded checkpoint saves or loads besides the step: the model, the optimizer, the
-        scaler, and your extra entries (``state``, loaded back into that same dict)."""
-        return {"model": self.module, "optimizer": self.optimizer, "scaler": self.scaler, "model_key": model_key,
-                "named_parameters": self.named_parameters, "extra": state if state is not None else {},
-                "device": self.device, "zero_step": self.gate.zero_update}
-
-    def _sharded_facts(self, step: int) -> Any:
-        from .sharding import dcp
-        layout = self.verifier.layout
-        return dcp.Facts(step=step, history=self.history, layout=layout, weights_verified=layout.hsdp,
-                         weight_digest=self.last_weights_digest if layout.hsdp else None,
-                         parameters=[n for n, _ in self.named_parameters], run_id=self.topology.run_id)
-
     def _log_configuration(self) -> None:
         if self.topology.rank != 0:
             return
         cfg, topo = self.config, self.topology
-        if self.sharded:
-            for line in self.verifier.plan_lines():
-                log.warning("sdcguard (sharded): %s", line)
-            log.info("sdcguard: %d ranks, weight check every %s, spool %s", topo.world_size,
-                     cfg.weight_check_every or "never", cfg.spool or "(none)")
-            return
-        if self.solo:
-            log.warning("sdcguard: a single replica: only the local non-finite check runs (no replay audit, "
-                        "no weight comparison), and a NaN/Inf cannot be confirmed as the hardware's")
+        for line in self.plan_lines():
+            log.warning("sdcguard: %s", line)
         log.info("sdcguard: %d ranks, %d per node, audit every %s, weight check every %s, spool %s",
                  topo.world_size, topo.ranks_per_node, cfg.audit_every or "never",
                  cfg.weight_check_every or "never", cfg.spool or "(none)")
-        if self.recorder is not None and not self.solo and not self.recorder.checks_reduction:
-            log.warning("sdcguard: the reduce hook does not declare averages_like_ddp (a compression hook?): "
-                        "check 4 (reduce-checksum) is off, a finite fault inside the all-reduce goes unseen")
         if cfg.checkpoint_every and not self.solo and not cfg.audit_checkpoints and (
                 not cfg.audit_every or cfg.checkpoint_every % cfg.audit_every):
             log.warning("sdcguard: checkpoints every %d steps are not all audit steps (audit every %s): an "
                         "alarm may name an older checkpoint than the newest; set audit_checkpoints=True",
                         cfg.checkpoint_every, cfg.audit_every or "never")
-
-
-def unwrap(model: torch.nn.Module) -> tuple[DistributedDataParallel | None, torch.nn.Module, bool]:
-    """(the DDP wrapper or None, the bare module, whether torch.compile is involved) of
-    DDP, ``torch.compile(ddp)``, ``DDP(torch.compile(module))`` or a plain module."""
-    ddp, compiled, m = None, False, model
-    while True:
-        if isinstance(m, DistributedDataParallel):
-            ddp, m = m, m.module
-        elif isinstance(getattr(m, "_orig_mod", None), torch.nn.Module):  # torch.compile's wrapper
-            compiled, m = True, m._orig_mod
-        else:
-            return ddp, m, compiled
-
-
-def _compiles_inside(module: torch.nn.Module) -> bool:
-    """Whether a submodule runs compiled: ``torch.compile(block)`` put in the tree, or
-    ``block.compile()`` in place (torchtitan compiles each block so, before ``fully_shard``)."""
-    return any(getattr(m, "_compiled_call_impl", None) is not None or isinstance(getattr(m, "_orig_mod", None), torch.nn.Module)
-               for m in module.modules())
-
-
-def _is_fsdp(module: torch.nn.Module) -> bool:
-    """Whether ``fully_shard`` was applied to the root (no FSDP import for a model that never used it)."""
-    if "torch.distributed.fsdp" not in sys.modules:
-        return False
-    from torch.distributed.fsdp import FSDPModule
-    return isinstance(module, FSDPModule)
 
 
 def _as_micro_batches(batch: Any, micro_batches: Sequence[Any] | None) -> Sequence[Any]:
@@ -485,22 +381,6 @@ def _as_micro_batches(batch: Any, micro_batches: Sequence[Any] | None) -> Sequen
             raise ValueError("micro_batches must not be empty")
         return micro_batches
     return [batch]
-
-
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Small check tensors travel on the device the backend wants (CUDA for NCCL)."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _param_device(module: torch.nn.Module) -> torch.device:
-    first = next(module.parameters(), None)
-    return first.device if first is not None else torch.device("cpu")
-
-
-def _solo_topology(config: Config) -> Topology:
-    return Topology(0, 1, 1, {0: identity(0, config.pod, config.node, config.pod_uid)}, run_id=uuid.uuid4().hex[:12], threads={0: torch.get_num_threads()})
 
 
 _NEWEST_STATS: dict[str, CheckStats] = {}

@@ -22,30 +22,51 @@ A framework that runs the forward and the backward itself (Lightning's ``trainin
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import torch
 
 from .checks.determinism import deterministic
-from .checks.replay import Payload, Weighting
+from .checks.replay import ForwardBuffers, Payload, Weighting
 from .checks.rng import forward_seed, seeded
 from .fingerprint import Fingerprint, fingerprint
-from .verification import StepRecord
+from .layouts.base import Layout, StepRecord
 
-if TYPE_CHECKING:
-    from .guard import Guard
+
+@dataclass(frozen=True, slots=True)
+class StepContext:
+    """What a step needs from the Guard that makes it, and nothing else of it."""
+
+    model: torch.nn.Module
+    """What ``loss_fn`` is called with for the real pass (DDP, compiled, or plain)."""
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
+    scaler: Any
+    """An enabled GradScaler, or None."""
+    layout: Layout
+    seed: int
+    forwards: ForwardBuffers
+    """Records the buffers each forward sees."""
+    begin: Callable[[int, bool], None]
+    """The step ``(step, audit)`` begins: the update gate opens, the layout forgets the last step."""
+    verify: Callable[[StepRecord], bool]
+    """The checks before the update: raise on every rank alike, or return whether the update of
+    this step will not be applied (a GradScaler's overflow, a NaN/Inf skipped as the data's)."""
+    end: Callable[[int, bool, BaseException | None], None]
+    """The step ``(step, unchecked, failed)`` ends: the gate closes; an unchecked step with
+    gradients raises; check 3 on weight-check steps."""
 
 
 class Step:
     """What one step has done so far; made by :meth:`Guard.step`, used as a context manager."""
 
-    __slots__ = ("guard", "step", "audit", "micro_batches", "batches", "weighting", "loss_fps",
+    __slots__ = ("ctx", "step", "audit", "micro_batches", "batches", "weighting", "loss_fps",
                  "buffers", "losses", "checked", "skipped")
 
-    def __init__(self, guard: Guard, step: int, micro_batches: int, audit: bool) -> None:
+    def __init__(self, ctx: StepContext, step: int, micro_batches: int, audit: bool) -> None:
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
-        self.guard = guard
+        self.ctx = ctx
         self.step = step
         self.audit = audit
         """Whether check 2 (ring replay) runs on this step."""
@@ -73,15 +94,14 @@ class Step:
         two round differently), scaled by the GradScaler when one is enabled. DDP reduces the
         gradients on the last of the ``micro_batches`` declared to :meth:`Guard.step`."""
         weighting = _weighting(weight, divide_by)
-        guard = self.guard
+        ctx = self.ctx
         last = len(self.batches) == self.micro_batches - 1
-        sync = contextlib.nullcontext() if last or guard.ddp is None else guard.ddp.no_sync()
-        with sync:
+        with ctx.layout.micro_batch(last):
             with self._forward(micro, "backward()") as record:
-                loss = record(guard.loss_fn(guard.model, micro))
-            with self._backward_pass(weighting):
+                loss = record(ctx.loss_fn(ctx.model, micro))
+            with self._backward_pass(weighting, settled=True):
                 scaled = weighting.apply(loss) if weighting is not None else loss
-                (guard.scaler.scale(scaled) if guard.scaler is not None else scaled).backward()
+                (ctx.scaler.scale(scaled) if ctx.scaler is not None else scaled).backward()
         return loss.detach()
 
     # -- for a framework that runs the forward and the backward itself -------------------------
@@ -109,7 +129,7 @@ class Step:
         if len(self.weighting) != index:
             raise RuntimeError(f"sdcguard: step {self.step}: {verb} of micro-batch {index} before the "
                                f"backward_pass() of micro-batch {index - 1}")
-        guard = self.guard
+        ctx = self.ctx
         recorded: list[torch.Tensor] = []
 
         def record(loss: torch.Tensor) -> torch.Tensor:
@@ -120,13 +140,12 @@ class Step:
             recorded.append(loss)
             return loss
 
-        with self._exact():
-            guard.recording = self
-            try:
-                with seeded(forward_seed(guard.config.seed, self.step, guard.topology.rank, index), guard.device):
-                    yield record
-            finally:
-                guard.recording = None
+        # The buffers are needed where a replay may run: audit steps, and every step with a
+        # GradScaler (its overflow is confirmed by replay).
+        buffers = self.buffers if self.audit or ctx.scaler is not None else None
+        with self._exact(), ctx.forwards.recording(buffers, index):
+            with seeded(forward_seed(ctx.seed, self.step, ctx.layout.topology.rank, index), ctx.layout.device):
+                yield record
         if not recorded:
             raise RuntimeError(f"sdcguard: step {self.step}: the forward of micro-batch {index} recorded no loss "
                                "(call record(loss) inside the block)")
@@ -145,13 +164,14 @@ class Step:
         return self._backward_pass(_weighting(weight, divide_by))
 
     @contextlib.contextmanager
-    def _backward_pass(self, weighting: Weighting | None) -> Iterator[None]:
+    def _backward_pass(self, weighting: Weighting | None, *, settled: bool = False) -> Iterator[None]:
+        """``settled``: the caller already runs the micro-batch inside ``layout.micro_batch``."""
         if len(self.weighting) != len(self.batches) - 1:
             raise RuntimeError(f"sdcguard: step {self.step}: backward_pass() without its forward()")
-        with self._exact():
+        # A framework's own backward: its gradient synchronisation stays the framework's (no
+        # ``no_sync`` entered), but the layout still learns that the micro-batch ended.
+        with self._exact(), contextlib.nullcontext() if settled else self.ctx.layout.micro_batch(last=True):
             yield
-            if self.guard.sharded:  # the reduce-scatters that just ran belong to this micro-batch
-                self.guard.verifier.end_backward()
         self.weighting.append(weighting)
 
     def _next(self, verb: str) -> int:
@@ -175,7 +195,7 @@ class Step:
         if len(self.weighting) != len(self.batches):
             raise RuntimeError(f"sdcguard: step {self.step}: check() before the backward_pass() of its last forward()")
         with self._exact():
-            self.guard.verify(self)  # raises, or opens the update gate
+            self.skipped = self.ctx.verify(self.record())  # raises, or opens the update gate
         self.checked = True
 
     @property
@@ -190,7 +210,7 @@ class Step:
 
     def payload(self) -> Payload:
         """What another rank needs to redo this rank's step."""
-        return Payload(self.step, self.guard.topology.rank, list(self.batches), list(self.buffers),
+        return Payload(self.step, self.ctx.layout.topology.rank, list(self.batches), list(self.buffers),
                        list(self.weighting))
 
     def record(self) -> StepRecord:
@@ -200,12 +220,12 @@ class Step:
     # -- the context ---------------------------------------------------------------------------
 
     def __enter__(self) -> Step:
-        self.guard.begin(self)
+        self.ctx.begin(self.step, self.audit)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         failed = None if exc_type is None else exc if exc is not None else RuntimeError(exc_type)
-        self.guard.end(self, failed=failed)
+        self.ctx.end(self.step, bool(self.batches) and not self.checked, failed)
         return False
 
     @contextlib.contextmanager
@@ -215,7 +235,7 @@ class Step:
         if not self.audit:
             yield
             return
-        stance = torch.compiler.set_stance("force_eager") if self.guard.compiled else contextlib.nullcontext()
+        stance = torch.compiler.set_stance("force_eager") if self.ctx.layout.compiled else contextlib.nullcontext()
         with deterministic(True), stance:
             yield
 

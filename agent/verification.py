@@ -1,10 +1,12 @@
-"""The checks of one step, in the order of docs/design.md, composed: what they found, as an outcome.
+"""The checks of one step, in the order of docs/design.md, composed once for every layout.
 
 Before the update: checks 1a/1b and 4 (one 16-byte all-reduce on every step), and on audit steps
 checks 2 and 3 (the batch transfer to the ring neighbour, its replay, one more 16-byte agreement).
 After the update, on weight-check steps: check 3. Each check is an exchange (the collectives, in
-``checks/``) followed by a pure judgement; this module only sequences them, times them, and keeps
-the record of what passed (``recovery.History``), which the checkpoints and alarms read.
+``checks/`` and the layout) followed by a pure judgement; this module only sequences them, times
+them, and keeps the record of what passed (``recovery.History``), which checkpoints and alarms
+read. What differs between DDP, FSDP2 and the other layouts is behind ``layouts.base.Layout``:
+nothing here asks which one it holds.
 
 A verdict is returned, never raised: the Guard reports it (``reporting``) and decides what a
 reproduced NaN/Inf means for the user's loop.
@@ -15,27 +17,22 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from . import recovery
-from .checks.audit import Replayer
-from .checks.commhook import GradientRecorder
-from .checks.exchange import DIGEST_BYTES, Incoming, agree, gather_digests, gather_objects, serialize, wait
+from .checks.exchange import DIGEST_BYTES, agree, gather_digests, gather_objects, serialize
 from .checks.nonfinite import gather_norms, judge_nonfinite, nonfinite_local_ranks, sum_votes
 from .checks.reduce_checksum import judge_checksum
-from .checks.replay import PassResult, Payload
-from .checks.topology import Topology
 from .checks.verdict import Verdict
-from .checks.weights import WeightCheck, fingerprint_weights, weights_verdict
+from .checks.weights import WeightCheck
 from .contract.stats import CheckStats
 from .errors import ReplayError
+from .layouts.base import Layout, Scale, StepRecord, local_tensor
 
 log = logging.getLogger("sdcguard")
 
-Scale = Callable[[torch.Tensor], torch.Tensor] | None
+__all__ = ["Outcome", "PASSED", "StepRecord", "Verifier"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,31 +50,16 @@ class Outcome:
 PASSED = Outcome()
 
 
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    """What one step recorded for its checks (made by ``Step``)."""
-
-    step: int
-    audit: bool
-    payload: Payload
-    loss_fps: list[Any]
-    losses: list[torch.Tensor]
-
-
 class Verifier:
-    """Runs the checks of each step; owns the record of what passed."""
+    """Runs the checks of each step on a layout; owns the record of what passed."""
 
-    def __init__(self, *, recorder: GradientRecorder | None, replayer: Replayer, topology: Topology,
-                 group: dist.ProcessGroup | None, device: torch.device,
-                 named_parameters: list[tuple[str, torch.nn.Parameter]], stats: CheckStats) -> None:
-        self.recorder = recorder
-        self.replayer = replayer
-        self.topology = topology
-        self.group = group
-        self.device = device
-        self.named_parameters = named_parameters
+    def __init__(self, layout: Layout, stats: CheckStats) -> None:
+        self.layout = layout
+        self.topology = layout.topology
+        self.device = layout.device
+        self.group = layout.group
         self.stats = stats
-        self.solo = topology.world_size == 1
+        self.solo = layout.topology.world_size == 1
         self.history = recovery.History()
         """What this run has verified: audits, weights, reductions, checkpoints."""
         self.last_weights_digest: str | None = None
@@ -98,10 +80,8 @@ class Verifier:
     def _solo(self, s: StepRecord) -> Outcome:
         """One replica: only the local non-finite check can run, and it cannot be confirmed."""
         started = time.perf_counter()
-        if self.recorder is not None:
-            finite = bool(torch.isfinite(self.recorder.rows(self.device)).all())
-        else:
-            finite = all(bool(torch.isfinite(p.grad).all()) for _, p in self.named_parameters if p.grad is not None)
+        finite = all(bool(torch.isfinite(local_tensor(p.grad)).all()) for _, p in self.layout.named_parameters
+                     if p.grad is not None)
         self.stats.timed("nonfinite", started)
         if finite:
             return PASSED
@@ -112,31 +92,27 @@ class Verifier:
         """Checks 1a, 1b and 4: one all-reduce of two scalars; the per-rank values are gathered
         only when it finds something non-finite. None when everything passed."""
         started = time.perf_counter()
-        x, y = sum_votes(self.recorder.vote(self.device), self.group)  # the common case: 16 bytes
+        vote = self.layout.vote(s)
+        x, y = sum_votes(vote.vote, self.group)  # the common case: 16 bytes
         self.stats.timed("nonfinite", started)
         if not (math.isfinite(x) and math.isfinite(y)):
-            if self._reduced_gradients_finite():
+            if self.layout.reduced_gradients_finite():
                 # Finite gradients whose float32 norm overflowed (elements past ~1e19): a NaN/Inf
                 # anywhere in a local gradient would have reached the reduced one. Nothing to
                 # judge; check 4's bound is unknown for this step, so it does not run.
                 log.warning("sdcguard: step %d: gradient norms overflowed float32; check 4 skipped", s.step)
                 return None
-            return self._judge_nonfinite(s, gather_norms(self.recorder.rows(self.device), self.group), scale)
-        if self.recorder.checks_reduction:
+            return self._judge_nonfinite(s, gather_norms(vote.rows(), self.group), scale)
+        if vote.shape is not None:
             started = time.perf_counter()
-            verdict = judge_checksum(x, y, self.recorder.shape())
+            verdict = judge_checksum(x, y, vote.shape)
+            if verdict is not None:
+                verdict = self.layout.localize_checksum(verdict, vote)
             self.stats.timed("reduce_checksum", started)
             if verdict is not None:
                 return Outcome(verdict)
             self.history.last_reduction_verified_step = s.step
         return None
-
-    def _reduced_gradients_finite(self) -> bool:
-        """Every rank's reduced gradients (now in ``.grad``) checked element by element, agreed."""
-        finite = all(bool(torch.isfinite(p.grad).all()) for _, p in self.named_parameters if p.grad is not None)
-        flag = torch.tensor([1.0 if finite else 0.0], dtype=torch.float64, device=self.device)
-        wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True))
-        return bool(flag.item() == 1.0)
 
     def _judge_nonfinite(self, s: StepRecord, norms: list[list[float]], scale: Scale) -> Outcome:
         """From every rank's ``[local, reduced]`` norms: check 1a (a NaN/Inf that does not
@@ -145,55 +121,56 @@ class Verifier:
         bad = nonfinite_local_ranks(norms)
         if not bad:
             verdict = judge_nonfinite(norms)  # 1b, or an overflowed sum of finite norms
-            return Outcome(verdict) if verdict is not None else PASSED
-        confirmation = self.replayer.confirm_nonfinite(bad, s.payload, scale)
+            return Outcome(self.layout.annotate(verdict)) if verdict is not None else PASSED
+        started = time.perf_counter()
+        confirmation = self.layout.confirm_nonfinite(bad, s.payload, scale)
+        self.stats.timed("replay", started)
         if confirmation.verdict is not None:
             return Outcome(confirmation.verdict)
         return Outcome(nonfinite=confirmation.reproduced)
 
     def _audit(self, s: StepRecord, scale: Scale) -> Verdict | None:
         """Checks 2 and 3 with one collective besides the batch transfer between ring
-        neighbours: this rank's batch leaves for its replayer with the digest of its own pass,
-        the weights are fingerprinted while it travels (before the replay), the neighbour's
-        batch is replayed and compared locally, and one 16-byte all-reduce says whether every
-        rank's weights agree and its replay matched. Only when it says no are the digests
-        gathered and judged — weights, then replays — so that a weight fault is not taken for a
-        compute fault."""
-        step = s.step
+        neighbours (and the layout's own, if any): this rank's batch leaves for its replayer with
+        the digest of its own pass, the weights are fingerprinted while it travels (before the
+        replay), the neighbour's batch is replayed and compared locally, and one 16-byte
+        all-reduce says whether every rank's weights agree and its replay matched. Only when it
+        says no are the digests gathered and judged — weights, then replays — so that a weight
+        fault is not taken for a compute fault."""
+        step, layout = s.step, self.layout
         started = time.perf_counter()
-        own = PassResult(list(s.loss_fps), self.recorder.fingerprints())
+        own = layout.own_pass(s)
         own_digest = own.digest()
-        incoming = self.replayer.post_batch(serialize(s.payload), own_digest)
+        incoming = layout.post_batch(serialize(s.payload), own_digest)
         weights_started = time.perf_counter()
-        weights = fingerprint_weights(self.named_parameters)
+        weights = layout.fingerprint_weights()
+        token, weights_ok = layout.weights_token(weights)
         self.stats.timed("weights", weights_started)
         started += time.perf_counter() - weights_started  # the replay's time leaves the weights' out
-        replayed, failure = self._replay_neighbour(incoming, scale)
+        replayed, failure = layout.replay(step, incoming, scale)
+        if failure is not None:
+            log.error("sdcguard: replaying rank %d's batch failed: %s: %s",
+                      self.topology.replay_target(self.topology.rank), type(failure).__name__, failure)
         replay_digest = replayed.digest() if replayed is not None else bytes(DIGEST_BYTES)
         matched = failure is None and replay_digest == incoming.note
         verdict = None
-        if agree(weights.digest, self.device, self.group, veto=not matched):
-            self._weights_verified(step - 1, weights)  # the weights before this step's update
+        if agree(token, self.device, self.group, veto=not (matched and weights_ok)):
+            if weights is not None:
+                self._weights_verified(step - 1, weights)  # the weights before this step's update
             self.history.last_audited_step = step
         else:
-            digests = gather_digests([weights.digest, own_digest, replay_digest], self.device, self.group)
-            verdict = self._weights_verdict(step - 1, weights, [d[0] for d in digests])
+            digests = gather_digests([own_digest, replay_digest, token], self.device, self.group)
+            if weights is not None:
+                verdict = layout.judge_weights(weights, [d[2] for d in digests])
+                if verdict is None:
+                    self._weights_verified(step - 1, weights)
             if verdict is None:
                 self._raise_if_replays_failed(step, failure)
-                verdict = self.replayer.verdict(own, replayed, [d[1:] for d in digests], s.payload, scale)
+                verdict = layout.replay_verdict(own, replayed, [d[:2] for d in digests], s.payload, scale)
                 if verdict is None:
                     self.history.last_audited_step = step
         self.stats.timed("replay", started)
         return verdict
-
-    def _replay_neighbour(self, incoming: Incoming, scale: Scale) -> tuple[PassResult | None, Exception | None]:
-        """Receive and replay the neighbour's batch. An exception is kept, not raised: this rank
-        must still join the agreement (and veto it), or every other rank would wait there."""
-        try:
-            return self.replayer.run(incoming.receive(), scale), None
-        except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
-            log.exception("sdcguard: replaying rank %d's batch failed", self.topology.replay_target(self.topology.rank))
-            return None, exc
 
     def _raise_if_replays_failed(self, step: int, failure: Exception | None) -> None:
         """Every rank learns which replays failed (this runs only after a vetoed agreement) and
@@ -206,22 +183,20 @@ class Verifier:
     # -- after the update ----------------------------------------------------------------------
 
     def weights(self, step: int) -> Verdict | None:
-        """Check 3 on the weights after ``step``'s update; on success remember the step and digest."""
+        """Check 3 on the weights after ``step``'s update; on success remember the step and digest.
+        With no replica to compare with nothing runs and nothing is recorded as verified."""
         started = time.perf_counter()
-        mine = fingerprint_weights(self.named_parameters)
-        if self.solo or agree(mine.digest, self.device, self.group):  # the common case: 16 bytes
+        mine = self.layout.fingerprint_weights()
+        if mine is None:
+            return None
+        verdict = None
+        if self.solo or self.layout.weights_agree(mine):  # the common case: 16 bytes
             self._weights_verified(step, mine)
-            verdict = None
         else:
-            digests = [d for [d] in gather_digests([mine.digest], self.device, self.group)]
-            verdict = self._weights_verdict(step, mine, digests)
+            verdict = self.layout.judge_weights(mine, None)
+            if verdict is None:
+                self._weights_verified(step, mine)
         self.stats.timed("weights", started)
-        return verdict
-
-    def _weights_verdict(self, step: int, mine: WeightCheck, digests: list[bytes]) -> Verdict | None:
-        verdict = weights_verdict(mine, digests, self.topology.rank, self.group, self.device)
-        if verdict is None:
-            self._weights_verified(step, mine)
         return verdict
 
     def _weights_verified(self, step: int, mine: WeightCheck) -> None:

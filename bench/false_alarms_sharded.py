@@ -146,7 +146,7 @@ def _worker(args: argparse.Namespace) -> int:
     history = guard.history
     report = {**counts, "steps": steps, "audited": guard.stats.runs.get("replay", 0),
               "last_audited": history.last_audited_step, "last_weights": history.last_weights_verified_step,
-              "reduce_scatters": len(guard.verifier.recorder.records),
+              "reduce_scatters": len(guard.layout.recorder.records),
               "replay_s": guard.stats.seconds.get("replay", 0.0), "backward_s": backward_s}
     Path(args.worker, f"rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()

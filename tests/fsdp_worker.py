@@ -158,7 +158,7 @@ def exact(mesh, rank, out, name):
                              "reduction_verified": guard.history.last_reduction_verified_step,
                              "audited": guard.history.last_audited_step}
     return {"plain": [ref_losses, ref], "unaudited": runs[0], "audited": runs[1], "grads_kept": runs[1]["grads_kept"],
-            "plan": guard.verifier.plan_lines()}
+            "plan": guard.plan_lines()}
 
 
 def replay_faults(mesh, rank, out, name):
@@ -229,8 +229,8 @@ def faults(mesh, rank, out, name, specs):
 
 def _resync(model, guard):
     """Broadcast each shard from replica 0 to its other replicas (test-only repair)."""
-    layout = guard.verifier.layout
-    group = guard.verifier.replicate_group
+    layout = guard.layout.mesh
+    group = guard.layout.replicate_group
     src = layout.replicas_of_shard(layout.coordinates(layout.rank)["shard"])[0]
     with torch.no_grad():
         for p in model.parameters():

@@ -155,7 +155,7 @@ def test_schedule_of_a_guard():
     def guard(world_size, checks_reduction=True, **config):
         return Obj(config=Obj(**{"audit_every": 50, "weight_check_every": 10, **config}),
                    topology=Obj(nodes=world_size // 2 or 1, world_size=world_size),
-                   recorder=Obj(checks_reduction=checks_reduction))
+                   layout=Obj(checks_reduction=checks_reduction, checks_weights=world_size > 1))
 
     assert Schedule.of(guard(8), steps=1000, checkpoint_every=100) == Schedule(1000, 50, 10, 4, 100)
     assert not Schedule.of(guard(8, checks_reduction=False), steps=1000).checks_reduction

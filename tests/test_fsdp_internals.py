@@ -37,7 +37,7 @@ def test_check_4_is_planned_only_for_fsdp2s_plain_average(tmp_path):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from sdcguard.sharding.layout import param_groups
-    from sdcguard.sharding.verifier import plain_average
+    from sdcguard.sharding.layout import plain_average
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:

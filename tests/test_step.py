@@ -153,7 +153,16 @@ def test_forward_and_backward_pass_refuse_what_cannot_be_replayed():
                     loss = record(loss_fn(guard.model, x))
                 with s.backward_pass():
                     loss.backward()
-    assert guard.recording is None
+    # Every refused step left nothing open: the next step runs and updates as usual.
+    guard.optimizer.zero_grad(set_to_none=True)
+    with guard.step(7) as s:
+        with s.forward(x) as record:
+            loss = record(loss_fn(guard.model, x))
+        with s.backward_pass():
+            loss.backward()
+        s.check()
+        guard.optimizer.step()
+    assert guard.updates_through == 7
 
 def test_clipping_is_not_a_silent_no_op_in_train_step():
     clipped = make()

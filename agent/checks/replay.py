@@ -202,6 +202,33 @@ def snapshot_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: buf.detach().clone() for name, buf in module.named_buffers()}
 
 
+class ForwardBuffers:
+    """A forward pre-hook on the replayed module: the buffers each forward of the step being
+    recorded sees (after DDP's broadcast), kept where a replay may need them. The step hands it
+    the list to fill for the duration of one micro-batch's forward (:meth:`recording`)."""
+
+    __slots__ = ("_into", "_index")
+
+    def __init__(self) -> None:
+        self._into: list[dict[str, torch.Tensor]] | None = None
+        self._index = 0
+
+    @contextlib.contextmanager
+    def recording(self, into: list[dict[str, torch.Tensor]] | None, index: int) -> Iterator[None]:
+        """Record micro-batch ``index``'s buffers into ``into`` (None: nothing to record)."""
+        self._into, self._index = into, index
+        try:
+            yield
+        finally:
+            self._into = None
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        into = self._into
+        if into is None or replaying() or len(into) != self._index:  # the first forward of the micro-batch only
+            return
+        into.append(snapshot_buffers(module))
+
+
 def load_buffers(module: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, buf in module.named_buffers():

@@ -58,13 +58,12 @@ class Schedule:
         cfg, topology = guard.config, guard.topology
         replicas = topology.world_size > 1  # one replica: nobody to replay its batch, no audits
         configured = getattr(cfg, "checkpoint_every", 0)
-        layout = getattr(guard.verifier, "layout", None) if getattr(guard, "sharded", False) else None
-        reduction = guard.verifier if layout is not None else getattr(guard, "recorder", None)
+        layout = guard.layout
         return cls(steps, cfg.audit_every if replicas else 0, cfg.weight_check_every, topology.nodes,
                    configured if checkpoint_every is None else checkpoint_every,
                    replicas and bool(configured) and getattr(cfg, "audit_checkpoints", False),
-                   replicas and getattr(reduction, "checks_reduction", False),
-                   layout is None or layout.hsdp)  # sharded: check 3 needs a second replica of each shard
+                   replicas and layout.checks_reduction,
+                   layout.checks_weights or not replicas)  # sharded: check 3 needs a second replica of each shard
 
     def audits(self, step: int) -> bool:
         if self.audit_checkpoints and self.checkpoints(step):

@@ -92,7 +92,7 @@ class ShardedFaultInjector:
         job's Guard) moves the hooks to it; what already struck, and what was disarmed, is kept."""
         self.remove()
         self.targets = []
-        recorder = guard.verifier.recorder
+        recorder = guard.layout.recorder
         layout = recorder.layout
         self._shards = layout.shards
         where = _locate(recorder, {id(p): n for n, p in guard.named_parameters})

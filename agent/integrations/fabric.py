@@ -46,7 +46,6 @@ import os
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
@@ -57,10 +56,12 @@ from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 
 from .. import checkpoint as ckpt
 from ..buckets import settle_buckets
+from ..checks.exchange import gather_objects
 from ..checks.replay import replay_mode
 from ..checks.weights import fingerprint_weights
 from ..config import Config
 from ..errors import ConfigurationError
+from ..manifest import resumed_history
 from ..guard import Guard
 
 __all__ = ["fabric_guard"]
@@ -229,7 +230,7 @@ class _Checkpoints:
         self._agree(None if found == manifest["weight_digest"] else
                     f"the weights Fabric loaded have digest {found}, {path}'s manifest says {manifest['weight_digest']}")
         step = int(manifest["step"])
-        guard.resumed(step, ckpt.resumed_history(path, manifest), manifest["weight_digest"])
+        guard.resumed(step, resumed_history(path, manifest), manifest["weight_digest"])
         return loaded
 
     def _manifest(self, path: str) -> dict[str, Any] | None:
@@ -248,8 +249,7 @@ class _Checkpoints:
         guard = self.guard
         failures: list[str | None] = [failure]
         if not guard.solo:
-            failures = [None] * guard.topology.world_size
-            dist.all_gather_object(failures, failure, group=guard.group)
+            failures = gather_objects(failure, guard.group, guard.device)  # JSON, never a pickle
         found = [(rank, f) for rank, f in enumerate(failures) if f is not None]
         if found:
             raise ckpt.CheckpointError("; ".join(f"rank {rank}: {f}" for rank, f in found))
@@ -259,11 +259,11 @@ class _Checkpoints:
         guard = self.guard
         if not isinstance(state, dict):
             return None
-        ours = [m for m in (guard.model, guard.module, guard.ddp) if m is not None]
+        ours = [guard.model, guard.module, *guard.layout.wrappers]
         return next((k for k, v in state.items() if any(v is m for m in ours)), None)
 
     def _loads_model(self, state: Any) -> bool:
         guard = self.guard
         if isinstance(state, torch.nn.Module):
-            return state is guard.module or state is guard.ddp or state is guard.model
+            return any(state is m for m in (guard.model, guard.module, *guard.layout.wrappers))
         return self._model_key(state) is not None

@@ -60,10 +60,12 @@ from ..buckets import settle_buckets
 from ..checks.exchange import broadcast_json
 from ..checks.replay import replay_mode
 from ..config import Config
+from ..manifest import resumed_history, verification_fields
 from ..contract.alarm import now_rfc3339
 from ..contract.spool import write_json_atomic
 from ..errors import ConfigurationError
-from ..guard import Guard, unwrap
+from ..guard import Guard
+from ..layouts import unwrap
 from ..checkpoint_folder import MANIFEST_NAME, SCHEMA, WEIGHTS_FILE, verify_folder
 from ..checkpoint_folder import hash_folder as _hash_folder
 from ..checkpoint_folder import weights_digest as _weights_digest
@@ -212,7 +214,7 @@ class SdcguardTrainer(Trainer):
             if self._resumed is not None:
                 folder, manifest = self._resumed
                 self.guard.resumed(int(manifest["step"]),
-                                   file_checkpoint.resumed_history(folder, manifest, still_holds=_still_holds),
+                                   resumed_history(folder, manifest),
                                    manifest["weight_digest"])
         return self.guard
 
@@ -315,16 +317,11 @@ def _write_manifest(guard: Guard, folder: Path, step: int, plan: recovery.SavePl
                                               f"verified (digest {found}, check 3 {guard.last_weights_digest})")
     files = _hash_folder(folder)
     history = guard.history
-    after = recovery.after_save(history, plan, recovery.Checkpoint(step, str(folder), None), None)
-    earlier = [c for c in after.checkpoints if c.step < step]
     identity = _identity(files)
     write_json_atomic(folder / MANIFEST_NAME, json.dumps({
         "schema": SCHEMA, "step": step, "verified": True, "sha256": identity, "files": files,
         "weight_digest": guard.last_weights_digest, "weights_file": WEIGHTS_FILE, "parameters": names,
-        "audited_step": history.last_audited_step, "audited": history.last_audited_step == step,
-        "reduction_verified_step": history.last_reduction_verified_step,
-        "earlier_checkpoints": [{"step": c.step, "path": c.path, "audited_step": c.audited_step, "sha256": c.sha256}
-                                for c in earlier[-file_checkpoint.EARLIER_CHECKPOINTS:]],
+        **verification_fields(history, step, str(folder), plan, None),
         "replicas": guard.topology.world_size, "verified_at": now_rfc3339(), "run_id": guard.topology.run_id,
     }, indent=2, sort_keys=True))
     return identity
@@ -367,12 +364,3 @@ def _nameable(history: recovery.History) -> list[recovery.Checkpoint]:
         if older:
             named.append(max(older, key=lambda c: c.step))
     return named
-
-
-def _still_holds(path: str, step: int, sha256: str | None) -> bool:
-    """Whether an earlier ``checkpoint-N`` folder a manifest lists still holds its step."""
-    try:
-        verify_folder(path, expect_step=step, expect_sha256=sha256)
-        return True
-    except (file_checkpoint.CheckpointError, OSError, ValueError, KeyError):
-        return False

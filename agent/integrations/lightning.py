@@ -48,6 +48,7 @@ from ..checks.replay import replay_mode, replaying
 from ..checks.weights import fingerprint_weights
 from ..config import Config
 from ..errors import ConfigurationError
+from ..manifest import resumed_history
 from ..guard import Guard
 from ..step import Step
 
@@ -323,7 +324,7 @@ class GuardedDDPStrategy(_CheckedSteps, DDPStrategy):
             raise ckpt.CheckpointError(f"{path}: the weights Lightning loaded have digest {found}, its manifest "
                                        f"says {manifest['weight_digest']}")
         step = int(manifest["step"])
-        guard.resumed(step, ckpt.resumed_history(path, manifest), manifest["weight_digest"])
+        guard.resumed(step, resumed_history(path, manifest), manifest["weight_digest"])
         self._resumed = None
 
 

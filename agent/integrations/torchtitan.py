@@ -48,7 +48,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config as GuardConfig
-from ..checkpoint import EARLIER_CHECKPOINTS, CheckpointError
+from ..checkpoint import CheckpointError
+from ..manifest import resumed_history, verification_fields
 from ..errors import ConfigurationError
 
 try:
@@ -247,21 +248,15 @@ class GuardedTrainer(Trainer):
         folder = Path(self.checkpointer._create_checkpoint_id(step))
         names, mine = self._model_report()
         reports = gather_objects(mine, None, guard.device)
-        history, layout = guard.history, guard.verifier.layout
+        history, layout = guard.history, guard.layout.mesh
         verified = layout.hsdp and guard.last_weights_verified_step == step
         plan = recovery.plan_save(history, str(folder), step, keep=False)  # torchtitan writes a new folder per step
         outcome: dict[str, Any] = {"failure": None, "sha256": None}
         if dist.get_rank() == 0:
             try:
                 files = {name: dcp_manifest.sha256_file(folder / name) for name in dcp_manifest.listed(folder)}
-                after = recovery.after_save(history, plan, recovery.Checkpoint(step, str(folder), None), None)
                 recorded = {
-                    "audited_step": history.last_audited_step, "audited": history.last_audited_step == step,
-                    "reduction_verified_step": history.last_reduction_verified_step,
-                    "earlier_checkpoints": [{"step": c.step, "path": c.path, "audited_step": c.audited_step,
-                                             "sha256": c.sha256, "kept_from": c.kept_from,
-                                             "cross_checked": c.cross_checked}
-                                            for c in after.checkpoints if c.step < step][-EARLIER_CHECKPOINTS:],
+                    **verification_fields(history, step, str(folder), plan, None),
                     "verified_at": now_rfc3339(), "run_id": guard.topology.run_id, "torch": torch.__version__,
                     "writer": "torchtitan",
                 }
@@ -306,10 +301,9 @@ class GuardedTrainer(Trainer):
     def _resumed(self, folder: Path, manifest: dict[str, Any]) -> None:
         """The verified checkpoint is this run's starting point: its step, what it was covered by,
         and — after torchtitan loaded it — each rank's shards against the digest the manifest records."""
-        from ..sharding import dcp
         from ..sharding.shard_weights import fingerprint_shards
         guard = self.guard
-        layout = guard.verifier.layout
+        layout = guard.layout.mesh
         shard = layout.coordinates(layout.rank)["shard"]
         names, mine = self._model_report()
         ok = names == manifest["parameters"] and mine["digest"] == manifest["shards"][shard]["digest"]
@@ -317,7 +311,7 @@ class GuardedTrainer(Trainer):
             raise CheckpointError(f"sdcguard: the weights torchtitan loaded from {folder} are not those its manifest "
                                   "records")
         step = int(manifest["step"])
-        guard.resumed(step, dcp.resumed_history(str(folder), manifest),
+        guard.resumed(step, resumed_history(str(folder), manifest),
                       fingerprint_shards(guard.named_parameters).digest.hex() if manifest.get("weights_verified") else None)
 
 

@@ -5,5 +5,5 @@ a 1-D mesh, HSDP over a 2-D ``(replicate, shard)`` mesh (docs/design.md §3, "Sh
 ``reduce_record`` is FSDP2's reduce-scatter and all-reduce hook that record each rank's local
 gradient before it is reduced (checks 1 and 4); ``reduction_check`` turns those records into the
 step's vote and judges it; ``shard_weights`` is check 3 per shard across its replicas;
-``verifier`` sequences them for the Guard. Each judgement is a pure function.
+``sdcguard.layouts.fsdp`` hands them to the checks. Each judgement is a pure function.
 """

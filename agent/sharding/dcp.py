@@ -35,7 +35,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import recovery
-from ..checkpoint import EARLIER_CHECKPOINTS, CheckpointError
+from .. import manifest as manifest_codec
+from ..checkpoint import CheckpointError
 from ..checks.exchange import broadcast_json, gather_objects
 from ..contract.alarm import now_rfc3339
 from ..contract.spool import fsync_dir, write_json_atomic
@@ -178,29 +179,6 @@ def load(path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: tor
     return manifest, found
 
 
-def resumed_history(path: str | os.PathLike[str], manifest: Mapping[str, Any]) -> recovery.History:
-    """What a run resumed from the directory ``path`` inherits (``checkpoint.resumed_history``'s
-    rule: the verification its manifest recorded, the earlier checkpoints that still hold their step)."""
-    step = int(manifest["step"])
-    audited = manifest.get("audited_step")
-    earlier = [recovery.Checkpoint(int(c["step"]), str(c["path"]), c.get("audited_step"), c.get("sha256"),
-                                   c.get("kept_from"), bool(c.get("cross_checked", True)))
-               for c in manifest.get("earlier_checkpoints") or [] if _still_holds(c["path"], c["step"], c.get("sha256"))]
-    verified = bool(manifest.get("weights_verified"))
-    return recovery.History(
-        last_audited_step=audited, last_weights_verified_step=step if verified else None,
-        last_reduction_verified_step=manifest.get("reduction_verified_step"),
-        checkpoints=[*earlier, recovery.Checkpoint(step, str(path), audited, manifest["sha256"], cross_checked=verified)])
-
-
-def _still_holds(path: str, step: int, sha256: str | None) -> bool:
-    try:
-        dcp_manifest.read(path, expect_step=step, expect_sha256=sha256)
-        return True
-    except (CheckpointError, OSError, ValueError):
-        return False
-
-
 # -- rank 0's part of a save ----------------------------------------------------------------------
 
 def _prepare(path: Path, staging: Path) -> None:
@@ -253,16 +231,8 @@ def _finish(path: Path, staging: Path, reports: list[dict[str, Any]], facts: Fac
         raise CheckpointError(f"DCP left an unexpected file set in {staging}: {sorted(present)}")
     kept = keep_directory(plan.keep) if plan.keep is not None else None
     history = facts.history
-    # The checkpoints before this one, as the history will list them once this save is recorded.
-    after = recovery.after_save(history, plan, recovery.Checkpoint(facts.step, str(path), None), kept)
-    recorded = {
-        "audited_step": history.last_audited_step, "audited": history.last_audited_step == facts.step,
-        "reduction_verified_step": history.last_reduction_verified_step,
-        "earlier_checkpoints": [{"step": c.step, "path": c.path, "audited_step": c.audited_step, "sha256": c.sha256,
-                                 "kept_from": c.kept_from, "cross_checked": c.cross_checked}
-                                for c in after.checkpoints if c.step < facts.step][-EARLIER_CHECKPOINTS:],
-        "verified_at": now_rfc3339(), "run_id": facts.run_id, "torch": torch.__version__,
-    }
+    recorded = {**manifest_codec.verification_fields(history, facts.step, str(path), plan, kept),
+                "verified_at": now_rfc3339(), "run_id": facts.run_id, "torch": torch.__version__}
     manifest = dcp_manifest.build(
         step=facts.step, files=files, grid=facts.layout.grid, weights_verified=facts.weights_verified,
         model_key=model_key, state_keys=[k for k in state_keys if k != model_key],

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ..checkpoint import CheckpointError
 from ..fingerprint import digest, fingerprint_many
+from ..manifest import sha256_file
 
 MANIFEST_NAME = "sdcguard-manifest.json"
 SCHEMA = "sdcguard.dev/checkpoint-dcp/v1"
@@ -62,14 +63,6 @@ def manifest_file(path: str | os.PathLike[str]) -> Path:
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a directory sdcguard wrote a sharded checkpoint into."""
     return manifest_file(path).is_file()
-
-
-def sha256_file(path: str | os.PathLike[str]) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def identity(files: Mapping[str, str]) -> str:

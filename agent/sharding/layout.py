@@ -164,3 +164,19 @@ def read_layout(model: torch.nn.Module) -> ShardLayout:
     if layout.world_size < 2:
         raise TypeError("sdcguard: an FSDP2 mesh of one rank has no other rank to check it against")
     return layout
+
+
+def plain_average(groups: list[Any]) -> bool:
+    """Every FSDP2 param group reduces with FSDP2's plain average, or a plain sum (a divide factor of
+    1.0, torchtitan's, or forced sum comms: ``reduce_record.plain_sum``), in float32 or bfloat16
+    (FSDP2 pre- and post-divides a float16 one around a sum, which check 4 does not model). Read
+    from the groups' policies: it holds before the first forward, when FSDP2 has not yet set its
+    parameters' dtypes."""
+    return all(g.gradient_divide_factor in (None, 1.0)
+               and all(_reduce_dtype(g.mp_policy, p) in (torch.float32, torch.bfloat16) for p in g.fsdp_params)
+               for g in groups)
+
+
+def _reduce_dtype(policy: Any, param: Any) -> torch.dtype:
+    """The dtype a parameter's gradient is reduced in: the policy's, else the gradient's own."""
+    return policy.reduce_dtype or policy.param_dtype or param.sharded_param.dtype

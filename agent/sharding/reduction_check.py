@@ -103,15 +103,24 @@ def step_vote(records: list[Reduction], layout: ShardLayout, losses: list[torch.
                 buckets += 1
             else:
                 ar = ar + 0 * part
-    first = next((i for i, loss in enumerate(losses) if not bool(torch.isfinite(loss).all())), -1)
-    row = torch.stack([local_sq, reduced, torch.tensor(float(first), dtype=torch.float64, device=device),
-                       rs[0], rs[1], ar[0], ar[1]])
+    row = torch.stack([local_sq, reduced, first_nonfinite(losses, device), rs[0], rs[1], ar[0], ar[1]])
     checked = rs_elements or ar_elements
     shape = None if not checked else Shape(
         world=max(S, R if ar_elements else 1), buckets=buckets,
         # each reduce-scatter group reduces S rows, each all-reduce group one: over the whole mesh
         elements=R * S * rs_elements + S * ar_elements, dtypes=tuple(sorted(dtypes, key=str)))
     return StepVote(rs + ar, row, shape, rs_elements, ar_elements)
+
+
+def first_nonfinite(losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The index of the first micro-batch whose loss is not finite, or -1, as a float64 tensor
+    computed on the device: no host read on the ordinary step (it is read only when gathered)."""
+    if not losses:
+        return torch.tensor(-1.0, dtype=torch.float64, device=device)
+    bad = torch.stack([~torch.isfinite(loss.detach()).all() for loss in losses]).to(device)
+    index = torch.arange(len(losses), dtype=torch.float64, device=device)
+    first = torch.where(bad, index, torch.full_like(index, float(len(losses)))).min()
+    return torch.where(first < len(losses), first, torch.full_like(first, -1.0))
 
 
 def localize_checksum(rows: list[list[float]], layout: ShardLayout, rs_elements: int, ar_elements: int,

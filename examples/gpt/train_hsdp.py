@@ -202,7 +202,7 @@ extra = {"fired": injector.fired if injector is not None else [], "sdcguard": ar
 if guard is not None:
     extra.update(last_audited=guard.history.last_audited_step, last_weights_verified=guard.last_weights_verified_step,
                  last_reduction_verified=guard.history.last_reduction_verified_step,
-                 plan=guard.verifier.plan_lines())
+                 plan=guard.plan_lines())
     guard.close()
 results.finish(model, iter_num, **extra)
 destroy_process_group()

@@ -100,7 +100,7 @@ class Results(L.Callback):
         self.data["fired"] = injector.fired if injector is not None else []
         guard = getattr(trainer.strategy, "guard", None)
         if guard is not None:
-            self.data["plan"] = guard.verifier.plan_lines()
+            self.data["plan"] = guard.plan_lines()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True, default=str))

@@ -116,7 +116,7 @@ def _write(trainer: Any, args: argparse.Namespace, error: BaseException | None) 
     if guard is not None:
         data.update(last_audited=guard.history.last_audited_step, last_weights_verified=guard.last_weights_verified_step,
                     last_reduction_verified=guard.history.last_reduction_verified_step,
-                    plan=guard.verifier.plan_lines() if guard.sharded else [])
+                    plan=guard.plan_lines())
     injector = getattr(trainer, "injector", None)
     data["fired"] = injector.fired if injector is not None else []
     path = Path(args.out) / f"result-rank{rank}.json"

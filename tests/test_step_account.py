@@ -1,0 +1,34 @@
+"""The ordinary step's cost, counted (SPEC §10): a change that adds a host synchronisation or a
+collective to sdcguard's ordinary step fails here, for DDP and for HSDP. One short run of
+bench/step_account.py's counting per layout (2 gloo ranks, or a 2 x 2 HSDP mesh; TinyGPT; 2 counted
+ordinary steps against the same loop without sdcguard);
+the full account, with audit and weight-check steps and HSDP, is ``bench/step_account.py``."""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, ranks", [("ddp", 2), ("hsdp", 4)])
+def test_ordinary_step_adds_one_host_sync_and_one_16_byte_collective(layout: str, ranks: int) -> None:
+    import step_account
+
+    results = step_account.account(layout, ranks=ranks, steps=2, kinds=("ordinary",), timeout=300)
+    for result in results:
+        added = step_account.added(result, "ordinary")
+        plain_syncs, syncs = added["syncs"]
+        assert syncs - plain_syncs <= 1, (
+            f"rank {result['rank']}: the ordinary step adds {syncs - plain_syncs:g} host reads "
+            f"({added['added_syncs']}; sdcguard's: {added['sync_sites']})")
+        assert added["added_collectives"] == {"allreduce_ 16 B": 1}, (
+            f"rank {result['rank']}: collectives added {added['added_collectives']} "
+            f"(sdcguard's: {added['coll_sites']})")
+        # The counting itself saw the step: DDP's bucket all-reduces, AdamW's step reads, no op it
+        # could not count.
+        assert added["collectives"][0] >= 1 and plain_syncs > 0 and added["ops"][1] > added["ops"][0]
+        assert not [k for k in added["added_ops"] if k.startswith("uncounted")]
