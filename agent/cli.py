@@ -14,7 +14,8 @@ from .drill import launch as drill
 # the extra that installs what they import.
 DELEGATED = {
     "sidecar": ("sdcguard.sidecar", "sidecar", "publish spooled alarms as Kubernetes Events; serve metrics"),
-    "operator": ("sdcguard_operator.cli", "operator", "run the kopf operator (same as kopf run -m sdcguard_operator)"),
+    "operator": ("sdcguard_operator.cli", "operator",
+                 "run the kopf operator, leader-elected (one replica: kopf run -m sdcguard_operator.main)"),
     "sandbox": ("sdcguard.sandbox.serve", "sandbox", "serve a local stand-in HyperPod cluster running the operator"),
     "demo": ("sdcguard.sandbox.demo", "sandbox",
              "the whole loop once in the sandbox: fault, alarm, cordon, approval, replacement"),

@@ -27,10 +27,10 @@ NONFINITE_ACTIONS = ("raise", "skip")
 class Config:
     """What the checks do and where alarms go."""
 
-    audit_every: int = 100
+    audit_every: int = names.DEFAULT_AUDIT_EVERY
     """Run check 2 (ring replay) on steps where ``step % audit_every == 0``; 0 turns it off."""
 
-    weight_check_every: int = 10
+    weight_check_every: int = names.DEFAULT_WEIGHT_CHECK_EVERY
     """Run check 3 (weight fingerprints) after the update on steps where
     ``step % weight_check_every == 0``; 0 limits it to audit steps and checkpoints."""
 

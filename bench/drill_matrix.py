@@ -5,7 +5,7 @@
 For each mesh, one ``sdcguard drill --on-alarm resume`` run (gloo, CPU) injects the nine kinds of
 ``sdcguard.faults.spec``, each on its own step (the compute kinds on audit steps), and the drill's
 own judgement (``faults/judge.py``) says per fault: caught or not, by which check at which step, and
-which ranks the alarm named. Prints one markdown table per mesh (the README's matrix comes from
+which ranks the alarm named. Prints one markdown table per mesh (docs/drill.md's matrix comes from
 these) and exits 1 when a drill failed. Meshes:
 
   ddp3x2   DDP, 3 nodes x 2 ranks (the DDP drill, for comparison)

@@ -7,15 +7,20 @@ to bottom is reading the step. This bench traces, on rank 0, the Python calls an
 ordinary step and one audit step (``with guard.step(...) as s: s.backward(batch); s.check();
 opt.step()``) of bench/gpt.py's TinyGPT under DDP (2 gloo ranks, one per simulated node) and under
 HSDP (a 2 x 2 mesh, 4 ranks), with ``sys.setprofile`` on every thread. Each event in a frame of the
-``sdcguard`` package (or of this script: the user's loop) is attributed to its module; an *entry* is
-a move into another module than the one running before (a call into it, or a return to it), and a
-*return* is an entry into a module already left earlier in the same step. The goal (issue 30): no
-return to a module already left other than the user's own code and a shared helper — the helpers
-being the leaf modules every check calls (``fingerprint``, ``checks.exchange``,
-``checks.reduce_checksum``, ``checks.replay``'s data types) and the gate, which the optimizer calls.
+``sdcguard`` package (or of this script: the user's loop) is attributed to its module, and a
+per-thread stack of modules follows the calls and returns. The goal (issue 30): no return to a
+module already left other than the user's own code and a shared helper — the helpers being the
+leaf modules every check calls (``fingerprint``, ``checks.exchange``, ``checks.reduce_checksum``,
+``checks.rng``, ``checks.norms``, ``checks.determinism``, ``contract.stats``) and the gate, which
+the optimizer calls.
 
-Prints, per layout and step kind: modules entered, entries, returns, returns outside the user's
-code and the helpers, and the sequence of modules.
+A move into another module by a call is a *callback* when that module is still below on the call
+stack (it called something that calls back into it: ``step -> guard -> step``), a *revisit* when
+it was left earlier in the step (a sequencer calling its parts in turn, or a ping-pong between two
+modules), else a first *call*. Calls into the shared helpers and from the user's loop are not
+counted as either. Prints, per layout and step kind: modules entered, moves by a call, callbacks
+and revisits, and the pairs behind them. Run it on an older checkout (``PYTHONPATH`` pointing at
+its package) to compare.
 """
 from __future__ import annotations
 
@@ -52,41 +57,51 @@ def _module_of(filename: str) -> str | None:
 
 
 class Walk:
-    """The modules entered, in order, by the traced threads."""
+    """Per thread, the stack of sdcguard's (and the user loop's) modules as calls and returns go."""
 
     def __init__(self) -> None:
-        self.sequence: list[str] = []
         self.lock = threading.Lock()
-        self.current: dict[int, str] = {}
+        self.stacks: dict[int, list[tuple[Any, str]]] = {}
+        self.entries: list[tuple[str, str, str]] = []
+        """(kind, from, to) of every move into another module: ``call``, ``callback`` (into a module
+        still below on the stack: a module calling back into its caller) or ``revisit`` (into a
+        module left earlier in the step), and ``return``."""
+        self.visited: set[str] = set()
 
     def __call__(self, frame: Any, event: str, arg: Any) -> None:
         if event not in ("call", "return"):
             return
-        target = frame if event == "call" else frame.f_back
-        module = _module_of(target.f_code.co_filename) if target is not None else None
+        module = _module_of(frame.f_code.co_filename)
         if module is None:
             return
-        thread = threading.get_ident()
         with self.lock:
-            if self.current.get(thread) != module:
-                self.current[thread] = module
-                self.sequence.append(module)
+            stack = self.stacks.setdefault(threading.get_ident(), [])
+            if event == "call":
+                here = stack[-1][1] if stack else USER
+                if module != here:
+                    below = {m for _, m in stack[:-1]}
+                    kind = "callback" if module in below else "revisit" if module in self.visited else "call"
+                    self.entries.append((kind, here, module))
+                    self.visited.add(here)
+                    self.visited.add(module)
+                stack.append((frame, module))
+            elif stack and stack[-1][0] is frame:
+                stack.pop()
+                if stack and stack[-1][1] != module:
+                    self.entries.append(("return", module, stack[-1][1]))
 
     def summary(self) -> dict[str, Any]:
-        left: set[str] = set()
-        returns, outside = 0, []
-        previous = None
-        for module in self.sequence:
-            if module in left:
-                returns += 1
-                if module != USER and not module.startswith(HELPERS) and previous not in (USER,):
-                    outside.append(f"{previous} -> {module}")
-            if previous is not None:
-                left.add(previous)
-            previous = module
-        modules = sorted(set(self.sequence) - {USER})
-        return {"modules": len(modules), "entries": len(self.sequence), "returns": returns,
-                "returns_outside": len(outside), "outside": outside, "sequence": self.sequence}
+        moves = [e for e in self.entries if e[0] != "return"]
+        # A shared helper may be called from anywhere, again and again; the user's loop calls each
+        # verb in turn: neither makes the step harder to follow.
+        def counted(kind: str) -> list[str]:
+            return [f"{a} -> {b}" for k, a, b in moves
+                    if k == kind and b != USER and a != USER and not b.startswith(HELPERS)]
+        callbacks, revisits = counted("callback"), counted("revisit")
+        modules = sorted({m for _, a, b in self.entries for m in (a, b)} - {USER})
+        return {"modules": len(modules), "entries": len(moves), "callbacks": len(callbacks),
+                "revisits": len(revisits), "outside": sorted(set(callbacks)), "revisited": sorted(set(revisits)),
+                "names": modules}
 
 
 def worker(layout: str, out: str) -> None:
@@ -164,23 +179,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layout", choices=("ddp", "hsdp", "all"), default="all")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--sequence", action="store_true", help="print each step's module sequence")
+    parser.add_argument("--sequence", action="store_true", help="print the modules each step enters")
     args = parser.parse_args()
     if args.worker:
         worker(args.layout, args.worker)
         return 0
-    print("| layout | step | modules entered | entries | returns to a module left | of them outside the user's code and helpers |")
+    print("| layout | step | modules entered | moves by a call | callbacks | revisits |")
     print("|---|---|---|---|---|---|")
     detail = []
     for layout in (("ddp", "hsdp") if args.layout == "all" else (args.layout,)):
         for kind, r in run(layout).items():
-            print(f"| {layout} | {kind} | {r['modules']} | {r['entries']} | {r['returns']} | {r['returns_outside']} |")
+            print(f"| {layout} | {kind} | {r['modules']} | {r['entries']} | {r['callbacks']} | {r['revisits']} |")
             detail.append((layout, kind, r))
     for layout, kind, r in detail:
         if r["outside"]:
-            print(f"\n{layout} {kind}: returns outside the user's code and helpers: {', '.join(r['outside'])}")
+            print(f"\n{layout} {kind}: callbacks: {', '.join(r['outside'])}")
+        if r["revisited"]:
+            print(f"\n{layout} {kind}: revisits: {', '.join(r['revisited'])}")
         if args.sequence:
-            print(f"\n{layout} {kind}: {' > '.join(r['sequence'])}")
+            print(f"\n{layout} {kind}: modules {', '.join(r['names'])}")
     return 0
 
 

@@ -1,9 +1,8 @@
 """sdcguard's kopf operator: alarm Events -> incidents -> containment -> approval -> node replacement.
 
-Run with ``kopf run -m sdcguard_operator`` or ``sdcguard operator``. Importing the package registers
-every handler and webhook into kopf's default registry (:mod:`.main`), with the settings read once:
-a bad setting exits with status 2 and one line, before anything starts.
+Run it with ``sdcguard operator`` (leader election, the chart's command) or
+``kopf run -m sdcguard_operator.main``. Importing this package, or any module of it, registers no
+kopf handler and reads no setting: :mod:`.main` is the one module that registers handlers, and it
+reads the settings when the operator starts. The kubectl plugin (:mod:`.kubectl_plugin`) needs
+neither kopf nor boto3.
 """
-from .main import register_default as _register_default
-
-_register_default()

@@ -20,7 +20,8 @@ mutating webhook with ``failurePolicy: Fail`` for CREATE and UPDATE of ``noderep
   ``releasedByGroups`` from the authenticated user, and is final.
 
 The CRD repeats the immutability as CEL ``x-kubernetes-validations`` so that it holds while this
-webhook is absent. :func:`judge` is pure and decides everything but the SubjectAccessReview.
+webhook is absent. :func:`judge` is pure and decides everything but the SubjectAccessReview;
+:func:`admit` is the handler's work (registered by :mod:`.main`).
 """
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ import kopf
 from sdcguard.contract import names
 
 from . import approval, kube, metrics
-from .settings import Settings
 
 HANDLER_ID = names.REPLACEMENT_WEBHOOK_ID  # also the URL path kopf serves it at
 TARGET_FIELDS = approval.TARGET_FIELDS
@@ -138,13 +138,12 @@ def may_approve(userinfo: Mapping[str, Any], name: str) -> tuple[bool, str]:
     return False, (status.reason or status.evaluation_error or "") if status is not None else "no answer"
 
 
-async def admit(body: kopf.Body, old: kopf.Body | None, new: kopf.Body | None, operation: str | None,
-                userinfo: Mapping[str, Any], patch: kopf.Patch, **_: Any) -> None:
-    """The kopf handler: refuse with a message, or allow (recording the decider when deciding)."""
-    name = body.metadata.name or ""
+async def admit(name: str, operation: str, old_spec: Mapping[str, Any] | None, new_spec: Mapping[str, Any] | None,
+                userinfo: Mapping[str, Any], patch: kopf.Patch, operator_username: str | None) -> None:
+    """Refuse with a message (``kopf.AdmissionError``), or allow, recording the decider in ``patch``
+    when deciding. ``operator_username``: ``SDCGUARD_OPERATOR_USERNAME``, read at start."""
     username = str(userinfo.get("username") or "")
-    verdict = judge(operation or "", (old or {}).get("spec"), (new or body).get("spec"), username,
-                    _OPERATOR["username"])
+    verdict = judge(operation, old_spec, new_spec, username, operator_username)
     if verdict.allowed and (verdict.deciding or verdict.releasing):
         allowed, why = await asyncio.to_thread(may_approve, userinfo, name)
         if not allowed:
@@ -168,15 +167,3 @@ async def admit(body: kopf.Body, old: kopf.Body | None, new: kopf.Body | None, o
         log.info(f"NodeReplacement {name}: {verdict.deciding} by {username}")
     else:
         metrics.ADMISSION.labels("Allowed").inc()
-
-
-_OPERATOR: dict[str, str | None] = {"username": None}
-"""The operator's own user (``SDCGUARD_OPERATOR_USERNAME``), as read once at start."""
-
-
-def register(registry: kopf.OperatorRegistry, settings: Settings | None = None) -> None:
-    """Register the handler (:mod:`.main` does, with kopf's default registry; tests with a fresh one)."""
-    _OPERATOR["username"] = (settings if settings is not None else Settings.from_env()).operator_username
-    kopf.on.mutate(names.GROUP, names.VERSION, names.REPLACEMENTS, registry=registry, id=HANDLER_ID,
-                   operations=["CREATE", "UPDATE"], side_effects=False)(admit)
-

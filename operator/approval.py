@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from sdcguard.contract import names
+from sdcguard.contract.phases import TERMINAL_REPLACEMENT_PHASES, Decision
 
 from . import kube
 
-DECISIONS = ("Approved", "Denied")
-TERMINAL = ("Replaced", "Failed", "Denied")
+DECISIONS = tuple(Decision)
+TERMINAL = TERMINAL_REPLACEMENT_PHASES
 """NodeReplacement phases after which nothing more happens to it."""
 TARGET_FIELDS = ("nodeName", "instanceId", "clusterName", "instanceGroup")
 """What a NodeReplacement acts on: fixed at creation (admission, CEL rules, the recorded target)."""

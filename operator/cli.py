@@ -4,7 +4,7 @@ With leader election (``SDCGUARD_LEADER_ELECTION``, on by default; the chart run
 every replica serves the webhooks (pod mutation, NodeReplacement admission) and the liveness
 endpoint from one kopf instance at once, while the handlers run in a second kopf instance only
 once this replica holds the Lease (:mod:`.leader`).  ``--no-leader-election`` (or the variable set
-to false) is ``kopf run -m sdcguard_operator --standalone``: one replica only.  Namespaces default
+to false) is ``kopf run -m sdcguard_operator.main --standalone``: one replica only.  Namespaces default
 to SDCGUARD_NAMESPACES (all namespaces when empty); as everywhere in ``sdcguard``, an explicit flag
 beats the environment, which beats the default.
 """
@@ -19,7 +19,6 @@ import threading
 from .settings import Settings
 
 
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sdcguard operator", description=__doc__.splitlines()[0])
     parser.add_argument("--namespace", "-n", action="append", default=[], help="namespace to watch (repeatable)")
@@ -32,6 +31,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="act without a Lease (one replica only; same as SDCGUARD_LEADER_ELECTION=false)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        from . import main as _entry  # noqa: F401 - kopf, the Kubernetes client, boto3
+    except ModuleNotFoundError as exc:
+        print(f"sdcguard operator: error: {exc.name} is not installed (pip install 'sdcguard[operator]')",
+              file=sys.stderr)
+        return 2
+    try:
         settings = settings_for(args.namespace)
     except SystemExit as exc:  # main.BadSettings: already said on one line
         return int(exc.code or 2)
@@ -39,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     if settings.leader_election and not args.no_leader_election:
         return run_elected(settings, namespaces, args.liveness, args.log_format,
                            dict(verbose=args.verbose, debug=args.debug, quiet=args.quiet))
-    kopf_argv = ["kopf", "run", "-m", "sdcguard_operator", "--standalone"]
+    from .main import ENTRY
+
+    kopf_argv = ["kopf", "run", "-m", ENTRY, "--standalone"]
     kopf_argv += [f"--namespace={ns}" for ns in namespaces] or ["--all-namespaces"]
     kopf_argv += [f"--{flag}" for flag in ("verbose", "debug", "quiet") if getattr(args, flag)]
     kopf_argv.append(f"--log-format={args.log_format}")
@@ -57,17 +64,15 @@ def main(argv: list[str] | None = None) -> int:
 def settings_for(namespace_flags: list[str], env: "os._Environ[str] | None" = None) -> Settings:
     """The settings, an explicit flag over the environment over the default: ``--namespace`` (each
     one given) replaces SDCGUARD_NAMESPACES for everything the operator does (the namespaces kopf
-    watches and those whose alarms intake accepts), also for the handlers' settings, which were
-    read when the package was imported."""
+    watches and those whose alarms intake accepts). It is written into ``env`` too, so that
+    ``kopf run -m sdcguard_operator.main`` (without leader election), which reads the settings in
+    its startup hook, reads the same."""
     env = os.environ if env is None else env
     if namespace_flags:
         env["SDCGUARD_NAMESPACES"] = ",".join(namespace_flags)
-    from . import handlers
     from .main import load_settings
 
-    settings = load_settings(env)
-    handlers.SETTINGS = settings
-    return settings
+    return load_settings(env)
 
 
 def run_elected(settings: Settings, namespaces: list[str], liveness: str | None, log_format: str,
@@ -77,7 +82,7 @@ def run_elected(settings: Settings, namespaces: list[str], liveness: str | None,
 
     import kopf
 
-    from . import handlers, leader, main, metrics
+    from . import leader, main, metrics
 
     kopf.configure(log_format=kopf.LogFormat[log_format.upper()], **levels)
     scope = dict(clusterwide=not namespaces, namespaces=namespaces)
@@ -103,7 +108,7 @@ def run_elected(settings: Settings, namespaces: list[str], liveness: str | None,
     finally:
         # kopf has stopped (SIGTERM, or a fatal error), but handler threads may still be inside an
         # AWS call: keep the Lease (still renewed) until they are done, then hand it over.
-        handlers.EXECUTOR.shutdown(wait=True, cancel_futures=True)
+        main.drain()
         holding.set()
         elector.release()
     if watchers.failed:

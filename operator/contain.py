@@ -122,6 +122,15 @@ def _take_slot(node_name: str, incident_ref: str, job: str, settings: Settings) 
     raise RuntimeError(f"storm-guard ledger {namespace}/{LEDGER}: still conflicting after {LEDGER_RETRIES} reads")
 
 
+def slot_holder(node_name: str, settings: Settings) -> str | None:
+    """The incident (``<namespace>/<name>``) on whose behalf sdcguard holds the node's storm-guard
+    slot, or None without a slot. The ledger is written by the operator alone, in its own namespace,
+    and a slot is taken only for a verified incident's suspect right before the cordon: this, never
+    an incident's free-form status, says which nodes sdcguard cordoned and for which incident."""
+    value = (_ledger(ledger_namespace(settings)).data or {}).get(node_name)
+    return None if value is None else value.partition(" job=")[0]
+
+
 def _give_slot(node_name: str, settings: Settings) -> None:
     """Remove the node's slot (a merge patch deleting one key: no precondition needed)."""
     namespace = ledger_namespace(settings)

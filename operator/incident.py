@@ -19,6 +19,7 @@ import kopf
 from sdcguard.contract import names
 
 from sdcguard.contract import alarm as alarm_schema
+from sdcguard.contract.phases import IncidentPhase
 
 from . import contain, hyperpod, kube, localize, master_key, metrics, replacement
 from .approval import TERMINAL
@@ -54,16 +55,16 @@ def seal(settings: Settings, namespace: str, name: str, spec: dict[str, Any]) ->
 def manifest(record: dict[str, Any], event_name: str, *, text: str = "", signature: str | None = None,
              job_uid: str = "", settings: Settings | None = None) -> dict[str, Any]:
     job = record["job"]
+    typed = alarm_schema.Alarm.parse(record)  # every optional field checked: typed, or None when absent
     window = record.get("suspect_window") or {"first_step": record["step"], "last_step": record["step"]}
     spec = {
         "job": dict(job), "check": record["check"], "step": record["step"], "ambiguous": record["ambiguous"],
         "suspects": [dict(s) for s in record["suspects"]], "reporter": dict(record["reporter"]),
         "suspectWindow": {"firstStep": window.get("first_step"), "lastStep": window.get("last_step")},
         "lastVerifiedStep": record["last_verified_step"], "lastGoodCheckpoint": record["last_good_checkpoint"],
-        "lastGoodCheckpointSha256": record.get("last_good_checkpoint_sha256") if isinstance(
-            record.get("last_good_checkpoint_sha256"), str) else None,
-        "lastGoodCheckpointStep": _step(record.get("last_good_checkpoint_step")),
-        "drill": record.get("drill") is True,
+        "lastGoodCheckpointSha256": typed.last_good_checkpoint_sha256,
+        "lastGoodCheckpointStep": typed.last_good_checkpoint_step,
+        "drill": typed.drill,
         "alarmId": record["id"], "event": event_name, "alarm": record,
         "jobUid": job_uid, "alarmText": text, "alarmSignature": signature,
     }
@@ -152,6 +153,10 @@ def recovery(spec: dict[str, Any]) -> dict[str, Any]:
     window = spec.get("suspectWindow") or {}
     first, last = _step(window.get("firstStep")), _step(window.get("lastStep"))
     resume_step = _step(alarm.get("last_good_checkpoint_step"))
+    # The library counts the steps at risk (``steps_at_risk``: the alarm step minus the resume
+    # step, the whole run when no checkpoint is trusted) and the operator takes that number as it
+    # is. Only a record of an older library lacks it: then, and only then, it is derived here from
+    # the checkpoint step the record names (unknown, never guessed, when it names none).
     at_risk = _step(alarm.get("steps_at_risk"))
     if at_risk is None and resume_step is not None:
         at_risk = spec["step"] - resume_step
@@ -236,7 +241,7 @@ def reconcile(body: dict[str, Any], settings: Settings) -> None:
     status = _suspend(namespace, name, spec, status, settings)
     held = _cordon_all(namespace, name, ref, spec, status, settings)
     status = kube.get_incident(namespace, name).get("status") or {}
-    _open_replacements(namespace, name, ref, status, settings)
+    _open_replacements(namespace, name, ref, spec, status, settings)
     if held:
         limits = {"MaxConcurrentSuspectNodes": f"{settings.max_concurrent_suspect_nodes} suspect nodes already "
                   "cordoned (maxConcurrentSuspectNodes)",
@@ -256,11 +261,12 @@ def reconcile(body: dict[str, Any], settings: Settings) -> None:
         _record(namespace, name, "StormGuardReleased", "every suspect node is now cordoned",
                 only_if=lambda st: kube.is_true(st, "StormGuard"),
                 conditions=[kube.condition("StormGuard", False, "SlotFree", "all suspect nodes cordoned")])
-    if status.get("phase") == "Containing":
+    if status.get("phase") == IncidentPhase.CONTAINING:
         waiting = bool(status.get("replacements"))
         _record(namespace, name, "Contained",
                 "awaiting approval of node replacement" if waiting else "contained; no node to replace",
-                phase="AwaitingApproval" if waiting else "Contained", only_if=lambda st: st.get("phase") == "Containing",
+                phase=IncidentPhase.AWAITING_APPROVAL if waiting else IncidentPhase.CONTAINED,
+                only_if=lambda st: st.get("phase") == IncidentPhase.CONTAINING,
                 conditions=[kube.condition("Contained", True, "Contained", "job and suspect nodes contained")])
     sync(ref)
 
@@ -310,7 +316,7 @@ def _open(namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     def change(status: dict[str, Any]) -> dict[str, Any]:
         if status.get("phase"):
             return {}  # opened meanwhile (a retry whose first write landed)
-        return {"phase": "Containing", **plan,
+        return {"phase": IncidentPhase.CONTAINING, **plan,
                 "alarmCount": 1 + len(status.get("duplicates") or []),
                 "timeline": [{"time": kube.now(), "event": "Opened", "message": message}]
                 + list(status.get("timeline") or [])}
@@ -335,7 +341,7 @@ def needs_work(status: dict[str, Any], **_: Any) -> bool:
     storm guard, is reconciled again even if a lost progress patch left kopf nothing to retry."""
     if any(c.get("type") == "Verified" and c.get("status") == "False" for c in status.get("conditions") or []):
         return False  # not the operator's: never acted on
-    return status.get("phase") in (None, "Containing") or kube.is_true(status, "StormGuard")
+    return status.get("phase") in (None, IncidentPhase.CONTAINING) or kube.is_true(status, "StormGuard")
 
 
 def _suspend(namespace: str, name: str, spec: dict[str, Any], status: dict[str, Any], settings: Settings) -> dict[str, Any]:
@@ -382,10 +388,19 @@ def _cordon_all(namespace: str, name: str, ref: str, spec: dict[str, Any], statu
     return held
 
 
-def _open_replacements(namespace: str, name: str, ref: str, status: dict[str, Any], settings: Settings) -> None:
-    for node, state in (status.get("nodes") or {}).items():
-        if not state.get("cordoned") or state.get("replacement") or state.get("localizeError"):
+def _open_replacements(namespace: str, name: str, ref: str, spec: dict[str, Any], status: dict[str, Any],
+                       settings: Settings) -> None:
+    """A NodeReplacement for each node that the verified ``spec.suspects`` name and whose storm-guard
+    slot sdcguard holds for this incident (it cordoned the node for it). ``status.nodes`` is a
+    free-form map anyone with status rights can write: it only says what is already done (a
+    replacement opened, a node that could not be localized), never which node to act on."""
+    recorded = status.get("nodes") or {}
+    for node in dict.fromkeys(s["node"] for s in spec["suspects"] if s.get("node")):
+        state = recorded.get(node) or {}
+        if state.get("replacement") or state.get("localizeError"):
             continue
+        if contain.slot_holder(node, settings) != ref:
+            continue  # not cordoned by sdcguard for this incident (held back, refused, or another incident's)
         try:
             found = localize.localize(kube.core().read_node(node), settings)
         except localize.NotLocalized as exc:
@@ -421,10 +436,10 @@ def note(ref: str, event: str, message: str, replacement_name: str, phase: str) 
             patch["replacements"] = replacements
             if event:
                 timeline.append({"time": kube.now(), "event": event, "message": message})
-        if all(p in TERMINAL for p in replacements.values()) and status.get("phase") == "AwaitingApproval":
+        if all(p in TERMINAL for p in replacements.values()) and status.get("phase") == IncidentPhase.AWAITING_APPROVAL:
             timeline.append({"time": kube.now(), "event": "Resolved",
                              "message": f"every node replacement is done; resume from {resume_text(status)}"})
-            patch["phase"] = "Resolved"
+            patch["phase"] = IncidentPhase.RESOLVED
             patch["conditions"] = kube.merge_conditions(status.get("conditions") or [], [kube.condition(
                 "Resolved", True, "ReplacementsDone", f"resume the job from {resume_text(status)}")])
         if len(timeline) != len(status.get("timeline") or []):

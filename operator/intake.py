@@ -26,6 +26,11 @@ from . import incident, kube, ledger, metrics, signature_check, validate
 from .settings import Settings
 
 
+def receive(event: dict[str, Any], settings: Settings, logger: logging.Logger | logging.LoggerAdapter) -> str:
+    """The alarm Event handler's work: handle the Event and record the outcome on it; returns it."""
+    return record(event, handle(event, settings, logger))
+
+
 def handle(event: dict[str, Any], settings: Settings, logger: logging.Logger | logging.LoggerAdapter) -> str:
     """Process one alarm Event; returns the outcome ("incident:<name>", "joined:<name>", "rejected:<reason>")."""
     recorded = (event["metadata"].get("annotations") or {}).get(names.INTAKE_ANNOTATION)

@@ -31,9 +31,17 @@ GROUP_LABEL = names.HYPERPOD_GROUP_LABEL
 _client: kubernetes.client.ApiClient | None = None
 _client_lock = threading.Lock()
 CONFLICT_RETRIES = 8
-#: Who this process is, in records of intents (``attemptedBy``) and in the leader Lease: the pod
-#: name (downward API) plus a per-process suffix, so a restarted container is a new identity.
-IDENTITY = f"{os.environ.get('POD_NAME') or socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+_identity: list[str] = []
+
+
+def identity() -> str:
+    """Who this process is, in records of intents (``attemptedBy``) and in the leader Lease: the pod
+    name (downward API) plus a per-process suffix, so a restarted container is a new identity.
+    Made on first use (nothing is read at import)."""
+    with _client_lock:
+        if not _identity:
+            _identity.append(f"{os.environ.get(names.ENV_POD_NAME) or socket.gethostname()}-{uuid.uuid4().hex[:8]}")
+        return _identity[0]
 
 
 def api_client() -> kubernetes.client.ApiClient:

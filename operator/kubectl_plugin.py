@@ -15,6 +15,9 @@ and credentials apply unchanged:
 It sends no identity: who decided is what the API server authenticated, recorded by sdcguard's
 admission webhook in ``spec.decidedBy`` (deciding needs the RBAC verb ``approve``, ClusterRole
 ``sdcguard-approver``); the plugin prints that record from the API server's answer.
+
+It needs the standard library and ``sdcguard.contract`` only: neither kopf, boto3, the Kubernetes
+client nor torch (tests/test_contract.py), so ``pip install sdcguard`` is enough.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import sys
 from typing import Any
 
 from sdcguard.contract import names
+from sdcguard.contract.phases import Decision, ReplacementPhase
 
 
 class PluginError(Exception):
@@ -52,7 +56,11 @@ def _one_line(text: Any) -> str:
 
 def kubectl(*args: str) -> str:
     command = [os.environ.get("KUBECTL", "kubectl"), *args]
-    result = subprocess.run(command, capture_output=True, text=True)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True)
+    except OSError as exc:
+        raise PluginError(f"cannot run {command[0]} ({exc.strerror or exc}): put kubectl on PATH or set "
+                          "$KUBECTL") from None
     if result.returncode != 0:
         raise PluginError(result.stderr.strip() or f"{' '.join(command)} failed")
     return result.stdout
@@ -74,7 +82,7 @@ def release(node: str, reason: str) -> str:
     """Give the storm-guard slot of NODE's Failed NodeReplacement back (recorded: who, when, why)."""
     items = json.loads(kubectl("get", names.REPLACEMENTS, "-o", "json")).get("items") or []
     mine = [i for i in items if (i.get("spec") or {}).get("nodeName") == node]
-    failed = [i for i in mine if (i.get("status") or {}).get("phase") == "Failed"]
+    failed = [i for i in mine if (i.get("status") or {}).get("phase") == ReplacementPhase.FAILED]
     if not failed:
         phases = ", ".join(f"{i['metadata']['name']}: {(i.get('status') or {}).get('phase')}" for i in mine)
         raise PluginError(f"node {node} has no Failed NodeReplacement ({phases or 'none at all'}); only a failed "
@@ -209,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.command in ("approve", "deny"):
-            print(clean(decide(args.name, "Approved" if args.command == "approve" else "Denied", args.reason)))
+            decision = Decision.APPROVED if args.command == "approve" else Decision.DENIED
+            print(clean(decide(args.name, decision, args.reason)))
         elif args.command == "release":
             print(clean(release(args.node, args.reason)))
         elif args.command == "incidents":

@@ -50,11 +50,11 @@ def _micro(now: datetime.datetime | None = None) -> str:
 class Elector:
     """Take, hold and hand back the Lease ``settings.leader_lease`` in the operator's namespace."""
 
-    def __init__(self, settings: Settings, identity: str = kube.IDENTITY,
+    def __init__(self, settings: Settings, identity: str | None = None,
                  clock: Callable[[], float] = time.monotonic, exit: Callable[[int], Any] = os._exit) -> None:
         self.name = settings.leader_lease
         self.namespace = settings.pod_namespace or "default"
-        self.identity = identity
+        self.identity = identity or kube.identity()
         self.lease_seconds = settings.lease_seconds
         self.renew_seconds = settings.renew_seconds
         self.retry = min(2.0, settings.renew_seconds / 4)

@@ -12,16 +12,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from sdcguard.config import Config
 from sdcguard.contract import names
 
 from .signature_check import secret_name
 from .validate import job_enabled
 
-SETTINGS = {  # annotation -> (environment variable, library default)
-    names.AUDIT_EVERY_ANNOTATION: (names.ENV_AUDIT_EVERY, Config().audit_every),
-    names.WEIGHT_CHECK_EVERY_ANNOTATION: (names.ENV_WEIGHT_CHECK_EVERY, Config().weight_check_every),
-}
+SETTINGS = names.ANNOTATION_SETTINGS  # annotation -> (environment variable, library default)
 _ANNOTATION_PREFIX = f"{names.GROUP}/"
 _DECIMAL = re.compile(r"^[0-9]+$")
 
@@ -50,10 +46,13 @@ class SidecarSettings:
                  "cpu_request": "SDCGUARD_SIDECAR_CPU_REQUEST", "memory_request": "SDCGUARD_SIDECAR_MEMORY_REQUEST",
                  "memory_limit": "SDCGUARD_SIDECAR_MEMORY_LIMIT"}
         values: dict[str, Any] = {k: env[v] for k, v in names.items() if env.get(v)}
-        if env.get("SDCGUARD_SIDECAR_METRICS_PORT"):
-            values["metrics_port"] = int(env["SDCGUARD_SIDECAR_METRICS_PORT"])
-        if env.get("SDCGUARD_SIDECAR_GRACE_SECONDS"):
-            values["grace_seconds"] = int(env["SDCGUARD_SIDECAR_GRACE_SECONDS"])
+        for key, var in (("metrics_port", "SDCGUARD_SIDECAR_METRICS_PORT"),
+                         ("grace_seconds", "SDCGUARD_SIDECAR_GRACE_SECONDS")):
+            if env.get(var):
+                try:
+                    values[key] = int(env[var])
+                except ValueError:
+                    raise ValueError(f"{var} must be an integer, got {env[var]!r}") from None
         if env.get("SDCGUARD_JOB_CONTROLLER_USERS"):
             values["job_controllers"] = tuple(u.strip() for u in env["SDCGUARD_JOB_CONTROLLER_USERS"].split(",")
                                               if u.strip())

@@ -23,6 +23,8 @@ from typing import Any
 import kopf
 
 from sdcguard.contract import names
+from sdcguard.contract.phases import Decision
+from sdcguard.contract.phases import ReplacementPhase as Phase
 
 from . import approval, contain, hyperpod, kube, master_key, metrics
 from .localize import Location
@@ -136,24 +138,24 @@ def reconcile(body: dict[str, Any], settings: Settings) -> None:
         # Once BatchReplaceClusterNodes was requested (for the recorded target), it is followed to its end.
         shown = ", ".join(f"spec.{f}={(body.get('spec') or {}).get(f)!r} (recorded {target.get(f)!r})"
                           for f in changed)
-        _phase(body, "Failed", "TargetChanged", f"the target changed after creation: {shown}; nothing is replaced",
+        _phase(body, Phase.FAILED, "TargetChanged", f"the target changed after creation: {shown}; nothing is replaced",
                conditions=[kube.condition("Failed", True, "TargetChanged", shown)])
         return
     if not status.get("phase"):
-        status = _phase(body, "HealthCheck", "Opened", f"node {target['nodeName']}, instance "
+        status = _phase(body, Phase.HEALTH_CHECK, "Opened", f"node {target['nodeName']}, instance "
                         f"{target['instanceId']}, cluster {target['clusterName']}")
     decision, status = _decision(body, status, settings)
-    if decision == "Denied":
+    if decision == Decision.DENIED:
         _deny(body, status, settings)
         return
-    if status["phase"] == "HealthCheck":
+    if status["phase"] == Phase.HEALTH_CHECK:
         status = _health_check(body, status, settings)
-    if status["phase"] == "PendingApproval":
-        if decision is None and approval.requested(body.get("spec") or {}) == "Approved":
+    if status["phase"] == Phase.PENDING_APPROVAL:
+        if decision is None and approval.requested(body.get("spec") or {}) == Decision.APPROVED:
             decision, status = _decision(body, status, settings)
-        if decision == "Approved":
+        if decision == Decision.APPROVED:
             status = _replace(body, status, settings)
-    if status["phase"] == "Replacing":
+    if status["phase"] == Phase.REPLACING:
         _follow(body, status, settings)
 
 
@@ -177,7 +179,7 @@ def _decision(body: dict[str, Any], status: dict[str, Any], settings: Settings) 
                      "(no spec.decidedBy): is the sdcguard NodeReplacement webhook installed?")
         return None, status
     if recorded is None:
-        if wanted == "Approved" and status.get("phase") != "PendingApproval":
+        if wanted == Decision.APPROVED and status.get("phase") != Phase.PENDING_APPROVAL:
             return None, status  # recorded once the health check is done
         status = approval.record(name, body, wanted)
     return wanted, status
@@ -212,7 +214,7 @@ def _export_pending(name: str, body: dict[str, Any]) -> None:
     status = body.get("status") or {}
     node = (status.get("target") or {}).get("nodeName") or (body.get("spec") or {}).get("nodeName") or ""
     since = next((entry.get("time") for entry in status.get("timeline") or [] if entry.get("event") in _PENDING_EVENTS), None)
-    if status.get("phase") == "PendingApproval" and not approval.recorded(status) and since:
+    if status.get("phase") == Phase.PENDING_APPROVAL and not approval.recorded(status) and since:
         metrics.PENDING_APPROVAL.labels(name, node).set(
             datetime.datetime.fromisoformat(since.replace("Z", "+00:00")).timestamp())
     else:
@@ -233,7 +235,7 @@ def release(body: dict[str, Any], settings: Settings) -> None:
     name = body["metadata"]["name"]
     body = kube.get_replacement(name)
     spec, status = body.get("spec") or {}, body.get("status") or {}
-    if not spec.get("release") or status.get("released") or status.get("phase") != "Failed" \
+    if not spec.get("release") or status.get("released") or status.get("phase") != Phase.FAILED \
             or not ours(body, settings) or (settings.require_admission_decisions and not spec.get("releasedBy")):
         return
     node = (status.get("target") or {}).get("nodeName") or spec.get("nodeName")
@@ -293,8 +295,16 @@ def _deny(body: dict[str, Any], status: dict[str, Any], settings: Settings) -> N
         if not any(e.get("event") == "DenyTooLate" for e in status.get("timeline") or []):
             _note(body, "DenyTooLate", "BatchReplaceClusterNodes was already requested; the denial cannot undo it")
         return
+    holder = contain.slot_holder(node, settings)
+    if holder is None or holder not in ((body.get("spec") or {}).get("incidents") or []):
+        # sdcguard did not cordon this node for any incident this replacement serves (an admin's
+        # cordon, or another incident's slot): the denial changes nothing on it.
+        _phase(body, Phase.DENIED, "Denied", f"{node} left as it is: sdcguard holds no storm-guard slot for it on "
+               f"behalf of this replacement's incidents (slot: {holder or 'none'})")
+        return
     released = contain.release(node, settings)
-    _phase(body, "Denied", "Denied", f"{node} uncordoned and unlabelled" if released else f"{node} no longer exists")
+    _phase(body, Phase.DENIED, "Denied",
+           f"{node} uncordoned and unlabelled" if released else f"{node} no longer exists")
 
 
 def _attempt(status: dict[str, Any], key: str, settings: Settings) -> str:
@@ -304,7 +314,7 @@ def _attempt(status: dict[str, Any], key: str, settings: Settings) -> str:
     state = status.get(key) or {}
     if not state.get("attemptedAt"):
         return "none"
-    if state.get("attemptedBy") == kube.IDENTITY and _age(state["attemptedAt"]) < settings.aws_call_seconds:
+    if state.get("attemptedBy") == kube.identity() and _age(state["attemptedAt"]) < settings.aws_call_seconds:
         return "in-flight"
     return "unknown"
 
@@ -324,7 +334,7 @@ def _claim_attempt(body: dict[str, Any], key: str, seen: dict[str, Any]) -> None
                          lambda st: (st.get(key) or {}).get("attemptedAt") == previous
                          and int((st.get(key) or {}).get("attempts", 0)) == attempts - 1
                          and not (st.get(key) or {}).get("requestedAt"),
-                         {key: {"attemptedAt": kube.now(), "attemptedBy": kube.IDENTITY, "attempts": attempts}})
+                         {key: {"attemptedAt": kube.now(), "attemptedBy": kube.identity(), "attempts": attempts}})
     if claimed is None:
         raise kopf.TemporaryError(f"{key}: the NodeReplacement changed meanwhile; reading it again", delay=0.5)
 
@@ -352,7 +362,7 @@ def _gave_up(body: dict[str, Any], status: dict[str, Any], key: str, operation: 
             int(state.get("unavailable", 0)) <= settings.max_unavailable_retries:
         return False
     error = state.get("lastError") or "Unknown"
-    _phase(body, "Failed", "GaveUp", f"{operation} still failing after {state.get('attempts')} attempts "
+    _phase(body, Phase.FAILED, "GaveUp", f"{operation} still failing after {state.get('attempts')} attempts "
            f"(last: {error}); DescribeClusterNode shows none took effect",
            conditions=[kube.condition("Failed", True, str(error), f"{operation} gave up")])
     return True
@@ -362,10 +372,10 @@ def _health_check(body: dict[str, Any], status: dict[str, Any], settings: Settin
     spec = status["target"]
     check = status.get("healthCheck") or {}
     if not settings.deep_health_checks:
-        return _phase(body, "PendingApproval", "HealthCheckSkipped", "no deep health check configured",
+        return _phase(body, Phase.PENDING_APPROVAL, "HealthCheckSkipped", "no deep health check configured",
                       healthCheck={"result": "Skipped"})
     if not spec.get("instanceGroup"):
-        return _phase(body, "PendingApproval", "HealthCheckSkipped", "instance group unknown",
+        return _phase(body, Phase.PENDING_APPROVAL, "HealthCheckSkipped", "instance group unknown",
                       healthCheck={"result": "NotRun", "message": "instance group unknown"})
     if not check.get("requestedAt"):
         where = _attempt(status, "healthCheck", settings)
@@ -378,14 +388,14 @@ def _health_check(body: dict[str, Any], status: dict[str, Any], settings: Settin
                                 healthCheck={"requestedAt": check["attemptedAt"], "attemptedBy": None,
                                              "sawInProgress": state == "DeepHealthCheckInProgress"})
             if _gave_up(body, status, "healthCheck", "StartClusterHealthCheck", settings):
-                return {**status, "phase": "Failed"}
+                return {**status, "phase": Phase.FAILED}
         _claim_attempt(body, "healthCheck", check)  # intent, before the call
         try:
             hyperpod.start_health_check(settings, spec["clusterName"], spec["instanceGroup"], spec["instanceId"])
         except hyperpod.Transient as exc:
             _transient(body, status, "healthCheck", exc, settings)
         except hyperpod.AwsError as exc:
-            return _phase(body, "PendingApproval", "HealthCheckNotRun", str(exc),
+            return _phase(body, Phase.PENDING_APPROVAL, "HealthCheckNotRun", str(exc),
                           healthCheck={"result": "NotRun", "message": str(exc), "attemptedBy": None})
         return _outcome(body, "healthCheck", "HealthCheckRequested",
                         f"StartClusterHealthCheck {list(settings.deep_health_checks)} "
@@ -401,11 +411,12 @@ def _health_check(body: dict[str, Any], status: dict[str, Any], settings: Settin
     if state.get("Status") == "DeepHealthCheckInProgress":
         return _note(body, None, "", healthCheck={"sawInProgress": True, "polls": polls})
     if state.get("Status") == "Failure":
-        return _phase(body, "PendingApproval", "HealthCheckFailed", f"deep health check failed: {state.get('Message')}",
+        return _phase(body, Phase.PENDING_APPROVAL, "HealthCheckFailed",
+                      f"deep health check failed: {state.get('Message')}",
                       healthCheck={"result": "Failed", "message": state.get("Message"), "polls": polls},
                       conditions=[kube.condition("HealthCheckPassed", False, "Failed", str(state.get("Message")))])
     if state.get("Status") == "Running" and (check.get("sawInProgress") or polls >= 3):
-        return _phase(body, "PendingApproval", "HealthCheckPassed",
+        return _phase(body, Phase.PENDING_APPROVAL, "HealthCheckPassed",
                       "deep health check passed (SDC can still escape it: decide on the incident's evidence)",
                       healthCheck={"result": "Passed", "message": state.get("Message"), "polls": polls},
                       conditions=[kube.condition("HealthCheckPassed", True, "Passed", "deep health check passed")])
@@ -430,16 +441,16 @@ def _replace(body: dict[str, Any], status: dict[str, Any], settings: Settings) -
     spec = status["target"]
     replace = status.get("replace") or {}
     if replace.get("requestedAt"):
-        return _phase(body, "Replacing", "ReplaceRequested", "resuming the follow-up")
+        return _phase(body, Phase.REPLACING, "ReplaceRequested", "resuming the follow-up")
     where = _attempt(status, "replace", settings)
     if where == "in-flight":
         raise kopf.TemporaryError("BatchReplaceClusterNodes in flight", delay=settings.retry_seconds)
     if where == "unknown":
         if _describe_status(status, settings) in REPLACING_STATUSES:
-            return _phase(body, "Replacing", "ReplaceRequested", "the earlier attempt took effect",
+            return _phase(body, Phase.REPLACING, "ReplaceRequested", "the earlier attempt took effect",
                           replace={"requestedAt": replace["attemptedAt"], "recovered": True, "attemptedBy": None})
         if _gave_up(body, status, "replace", "BatchReplaceClusterNodes", settings):
-            return {**status, "phase": "Failed"}
+            return {**status, "phase": Phase.FAILED}
     _claim_attempt(body, "replace", replace)  # intent, before the call
     try:
         ok, code, message = hyperpod.replace(settings, spec["clusterName"], spec["instanceId"])
@@ -448,7 +459,8 @@ def _replace(body: dict[str, Any], status: dict[str, Any], settings: Settings) -
     except hyperpod.AwsError as exc:
         ok, code, message = False, exc.code, exc.message
     if ok:
-        return _phase(body, "Replacing", "ReplaceRequested", f"BatchReplaceClusterNodes accepted {spec['instanceId']}",
+        return _phase(body, Phase.REPLACING, "ReplaceRequested",
+                      f"BatchReplaceClusterNodes accepted {spec['instanceId']}",
                       replace={"requestedAt": kube.now(), "attemptedBy": None})
     if code in hyperpod.TRANSIENT_CODES:
         _transient(body, status, "replace", hyperpod.Unavailable("BatchReplaceClusterNodes", code, message), settings)
@@ -458,7 +470,7 @@ def _replace(body: dict[str, Any], status: dict[str, Any], settings: Settings) -
               replace={"waits": waits, "lastError": code, "attemptedAt": None, "attemptedBy": None, "attempts": 0},
               conditions=[kube.condition("ReplaceBlocked", True, code, message)])
         raise kopf.TemporaryError(f"{code}: {message}", delay=settings.backoff(waits))
-    return _phase(body, "Failed", "ReplaceFailed", f"{code}: {message}",
+    return _phase(body, Phase.FAILED, "ReplaceFailed", f"{code}: {message}",
                   replace={"error": code, "message": message, "attemptedBy": None},
                   conditions=[kube.condition("Failed", True, code, message)])
 
@@ -468,9 +480,10 @@ def _follow(body: dict[str, Any], status: dict[str, Any], settings: Settings) ->
     state = _describe_status(status, settings)
     if state == "NotFound":
         contain.release(spec["nodeName"], settings, keep_cordoned=True)
-        _phase(body, "Replaced", "Replaced", f"instance {spec['instanceId']} terminated and replaced by fresh hardware",
+        _phase(body, Phase.REPLACED, "Replaced",
+               f"instance {spec['instanceId']} terminated and replaced by fresh hardware",
                replace={"completedAt": kube.now()},
                conditions=[kube.condition("Replaced", True, "Replaced", "instance replaced")])
     elif state == "Failure":
-        _phase(body, "Failed", "ReplaceFailed", "the instance went to Failure during replacement",
+        _phase(body, Phase.FAILED, "ReplaceFailed", "the instance went to Failure during replacement",
                conditions=[kube.condition("Failed", True, "InstanceFailure", "instance status Failure")])

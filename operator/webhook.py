@@ -30,9 +30,9 @@ holds its records until the kubelet has put the key there). A bad value is a
 warning in the admission response and the library's default applies; never a rejection. The
 mutation is idempotent: mutating its own output changes nothing.
 
-Handlers are thin: what the pod becomes is decided by the pure functions of :mod:`.pod_mutation`
-(tested directly); this module only looks the job up and hands the result to kopf's patch, and the
-server is :mod:`.webhook_server`.
+What the pod becomes is decided by the pure functions of :mod:`.pod_mutation` (tested directly);
+this module only looks the job up and hands the result to kopf's patch (:class:`PodAdmission`).
+The kopf handler is registered by :mod:`.main`; the server is :mod:`.webhook_server`.
 """
 from __future__ import annotations
 
@@ -50,7 +50,6 @@ import kopf
 from sdcguard.contract import names
 
 from .pod_mutation import SidecarSettings, mutated, owned_by
-from .webhook_server import server_from_env
 
 log = logging.getLogger("sdcguard_operator.webhook")
 
@@ -137,59 +136,54 @@ def kubernetes_fetch(timeout: float = 2.0) -> Fetch:
     return fetch
 
 
-# --- kopf wiring -----------------------------------------------------------------------------
+def lookup_timeout(env: Mapping[str, str]) -> float:
+    """``SDCGUARD_WEBHOOK_LOOKUP_TIMEOUT``: seconds the webhook waits for the job (default 2)."""
+    try:
+        return float(env.get("SDCGUARD_WEBHOOK_LOOKUP_TIMEOUT") or 2.0)
+    except ValueError:
+        raise ValueError(f"SDCGUARD_WEBHOOK_LOOKUP_TIMEOUT must be a number, got "
+                         f"{env.get('SDCGUARD_WEBHOOK_LOOKUP_TIMEOUT')!r}") from None
+
+
+# --- the admission of one pod ------------------------------------------------------------------
 
 @dataclass(slots=True)
-class _Runtime:
-    jobs: JobAnnotations | None = None
+class PodAdmission:
+    """What the pod webhook works with, built when the operator starts (never at import): the
+    job reader and the injected sidecar's settings."""
+
+    jobs: JobAnnotations
     sidecar: SidecarSettings = field(default_factory=SidecarSettings)
 
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "PodAdmission":
+        """``SDCGUARD_SIDECAR_*`` and ``SDCGUARD_WEBHOOK_LOOKUP_TIMEOUT`` (checked at start by
+        :func:`sdcguard_operator.main.load_settings`)."""
+        return cls(JobAnnotations(kubernetes_fetch(lookup_timeout(env))), SidecarSettings.from_env(env))
 
-_runtime = _Runtime()
-
-
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    """Startup: the admission server (kopf refuses to start with admission handlers and none),
-    the sidecar settings and the job reader. The webhook configuration is the chart's, not
-    kopf's (``managed`` stays None): the operator needs no RBAC on webhook configurations."""
-    settings.admission.server = server_from_env(os.environ)
-    _runtime.sidecar = SidecarSettings.from_env(os.environ)
-    _runtime.jobs = JobAnnotations(kubernetes_fetch(float(os.environ.get("SDCGUARD_WEBHOOK_LOOKUP_TIMEOUT") or 2.0)))
-
-
-async def mutate_pod(body: kopf.Body, patch: kopf.Patch, warnings: list[str], logger: logging.Logger,
-                     userinfo: Mapping[str, Any] | None = None, **_: Any) -> None:
-    """Admission of a pod of a Kubeflow job: look the job up, then let :func:`mutated` decide."""
-    pod = dict(body)
-    name = body.metadata.labels.get(names.JOB_NAME_LABEL, "")
-    annotations, uid, problem = None, None, None
-    if name:
-        namespace = body.metadata.namespace or "default"
-        if _runtime.jobs is None:
-            problem = "sdcguard webhook is not configured"
-        else:
-            annotations, uid, problem = await _runtime.jobs.lookup(namespace, name)
+    async def admit(self, pod: dict[str, Any], userinfo: Mapping[str, Any], patch: kopf.Patch,
+                    warnings: list[str], logger: logging.Logger | logging.LoggerAdapter) -> None:
+        """Admission of a pod of a Kubeflow job: look the job up, let :func:`mutated` decide, and
+        hand the result to kopf's ``patch`` (kopf diffs it into a JSONPatch)."""
+        meta = pod.get("metadata") or {}
+        name = (meta.get("labels") or {}).get(names.JOB_NAME_LABEL, "")
+        annotations, uid, problem = None, None, None
+        if name:
+            namespace = meta.get("namespace") or "default"
+            annotations, uid, problem = await self.jobs.lookup(namespace, name)
             if uid and not owned_by(pod, name, uid):  # perhaps recreated since it was cached
-                _runtime.jobs.forget(namespace, name)
-                annotations, uid, problem = await _runtime.jobs.lookup(namespace, name)
-    if problem:
-        logger.warning(f"sdcguard: {problem}; no sidecar")
-        warnings.append(f"sdcguard: {problem}; no sidecar")
-    result, notes = mutated(pod, annotations, _runtime.sidecar, uid, str((userinfo or {}).get("username") or ""))
-    warnings.extend(notes)
-    if result is not None:
-        patch.fns.append(functools.partial(_become, result))  # kopf diffs it into a JSONPatch
+                self.jobs.forget(namespace, name)
+                annotations, uid, problem = await self.jobs.lookup(namespace, name)
+        if problem:
+            logger.warning(f"sdcguard: {problem}; no sidecar")
+            warnings.append(f"sdcguard: {problem}; no sidecar")
+        result, notes = mutated(pod, annotations, self.sidecar, uid, str(userinfo.get("username") or ""))
+        warnings.extend(notes)
+        if result is not None:
+            patch.fns.append(functools.partial(_become, result))
 
 
 def _become(result: Mapping[str, Any], target: dict[str, Any]) -> None:
     """A kopf patch function: turn kopf's copy of the pod into ``result``."""
     target.clear()
     target.update(copy.deepcopy(dict(result)))
-
-
-def register(registry: kopf.OperatorRegistry) -> None:
-    """Register the handlers (:mod:`.main` does, with kopf's default registry; tests with a fresh one)."""
-    kopf.on.startup(registry=registry, id="sdcguard-webhook-configure")(configure)
-    kopf.on.mutate("", "v1", "pods", registry=registry, id=HANDLER_ID, operations=["CREATE"],
-                   ignore_failures=True, side_effects=False)(mutate_pod)
-

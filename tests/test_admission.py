@@ -70,7 +70,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebhookOperator
         kube.grant("user:alice", "approve", "nodereplacements.sdcguard.dev")
         kube.grant("group:oncall", "approve", "nodereplacements.sdcguard.dev")
         kube.grant("user:pat", "patch", "nodereplacements.sdcguard.dev")
-        operator = WebhookOperator(kube, workdir, register=admission.register, handler_id=admission.HANDLER_ID,
+        operator = WebhookOperator(kube, workdir, handler_id=admission.HANDLER_ID,
                                    env={"SDCGUARD_OPERATOR_USERNAME": OPERATOR})
         try:
             yield operator

@@ -1,6 +1,7 @@
 """The alarm schema and the spool: records validate, round-trip, and land atomically."""
 import json
 import math
+import re
 
 import pytest
 
@@ -53,6 +54,62 @@ def test_invalid_records_are_rejected_with_the_field_named(mutate, message):
     mutate(record)
     with pytest.raises(alarm.AlarmError, match=message.replace("{", r"\{").replace("}", r"\}")):
         alarm.validate(record)
+
+
+RECOVERY = dict(suspect_window={"first_step": 5, "last_step": 7}, last_audited_step=4, last_weights_verified_step=4,
+                steps_at_risk=3, last_good_checkpoint_sha256="5a" * 32, last_good_checkpoint_step=4,
+                last_good_checkpoint_kept_from=None, drill=True)
+
+
+def test_additive_fields_are_typed_and_present_only_when_given():
+    """The recovery fields are named fields of the schema (no free-form extras): a record of an
+    older library lacks them, one given is in the record as given, and the typed view reads them."""
+    bare = _record()
+    assert not set(alarm.ADDITIVE_FIELDS) & set(bare)
+    full = _record(last_good_checkpoint="ckpt.pt", **RECOVERY)
+    assert {k: full[k] for k in RECOVERY} == RECOVERY
+    typed = alarm.Alarm.parse(alarm.loads(alarm.dumps(full)))
+    assert typed.suspect_window == alarm.SuspectWindow(first_step=5, last_step=7)
+    assert (typed.steps_at_risk, typed.last_good_checkpoint_step, typed.drill) == (3, 4, True)
+    assert typed.suspects == (alarm.Identity(rank=2, pod="job-worker-2", node="hyperpod-i-0abc2"),)
+    older = alarm.Alarm.parse(bare)
+    assert older.steps_at_risk is None and older.suspect_window is None and older.drill is False
+    with pytest.raises(TypeError, match="steps_at_rsik"):
+        _record(steps_at_rsik=3)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("steps_at_risk", -1, "steps_at_risk must be"),
+    ("steps_at_risk", "3", "steps_at_risk must be"),
+    ("last_good_checkpoint_step", 4.0, "last_good_checkpoint_step must be"),
+    ("last_audited_step", True, "last_audited_step must be"),
+    ("last_good_checkpoint_sha256", "XYZ", "last_good_checkpoint_sha256 must be"),
+    ("suspect_window", {"first_step": 8, "last_step": 7}, "must not be after"),
+    ("suspect_window", {"first_step": 1}, "suspect_window must be"),
+    ("drill", "yes", "drill must be"),
+])
+def test_bad_additive_fields_are_refused_when_built_and_when_parsed(field, value, message):
+    with pytest.raises(alarm.AlarmError, match=message):
+        _record(**{field: value})
+    record = _record()
+    record[field] = value
+    with pytest.raises(alarm.AlarmError, match=message):
+        alarm.loads(json.dumps(record))
+
+
+def test_identities_carry_a_typed_pod_uid_and_gpu():
+    identities = {r: {**who, "pod_uid": f"uid-{r}", "gpu": {"index": r, "uuid": None}} for r, who in IDENTITIES.items()}
+    record = _record(identities=identities, job={"kind": "PyTorchJob", "name": "llm", "namespace": "ml", "uid": "j1"})
+    typed = alarm.Alarm.parse(record)
+    assert typed.job == alarm.Job(kind="PyTorchJob", name="llm", namespace="ml", uid="j1")
+    assert typed.suspects[0].pod_uid == "uid-2" and typed.suspects[0].gpu == alarm.Gpu(index=2, uuid=None)
+    for mutate, message in [(lambda r: r["suspects"][0].update(gpu={"index": -1}), "suspects[].gpu"),
+                            (lambda r: r["reporter"].update(pod_uid=7), "reporter.pod_uid"),
+                            (lambda r: r["job"].update(uid=["x"]), "job.uid")]:
+        broken = json.loads(alarm.dumps(record))
+        mutate(broken)
+        with pytest.raises(alarm.AlarmError, match=re.escape(message)):
+            alarm.validate(broken)
 
 
 def test_loads_rejects_garbage():

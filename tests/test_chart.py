@@ -34,8 +34,11 @@ K8S_VERSION = "1.32.0"
 
 pytestmark = pytest.mark.timeout(120)
 
+EVERYWHERE = ["--set", "rbac.clusterWideSecrets=true"]
+"""Serve every namespace (``operator.namespaces`` []): cluster-wide Secret writes, asked for explicitly."""
+
 VALUE_SETS: dict[str, list[str]] = {
-    "default": [],
+    "all-namespaces": EVERYWHERE,
     "irsa-cert-manager-monitors": [
         "--set", "serviceAccount.irsaRoleArn=arn:aws:iam::123456789012:role/sdcguard",
         "--set", "webhook.tls.mode=cert-manager",
@@ -47,7 +50,7 @@ VALUE_SETS: dict[str, list[str]] = {
     "own-secret-renamed": [
         "--set", "webhook.tls.mode=secret,webhook.tls.existingSecret=my-tls",
         "--set", "webhook.tls.caBundle=" + base64.b64encode(b"-----BEGIN CERTIFICATE-----").decode(),
-        "--set", "fullnameOverride=guard,approver.name=guard-approver",
+        "--set", "fullnameOverride=guard,approver.name=guard-approver", *EVERYWHERE,
         "--set-json", "operator.deepHealthChecks=[]",
     ],
     "no-webhook-no-rbac": [
@@ -98,12 +101,12 @@ def test_chart_lints_and_renders_valid_kubernetes_objects(name: str, tmp_path: P
 def test_values_schema_rejects_bad_settings() -> None:
     for bad in ("webhook.tls.mode=bogus", "operator.maxConcurrentSuspectNodes=-1", "webhook.timeoutSeconds=31",
                 "operator.deepHealthChecks={Reboot}", "serviceAccount.irsaRoleArn=not-an-arn", "typo=1"):
-        done = helm("template", "x", str(CHART), "--set", bad)
+        done = helm("template", "x", str(CHART), *EVERYWHERE, "--set", bad)
         assert done.returncode != 0, f"{bad} was accepted"
 
 
 def test_webhook_configuration_matches_the_server_and_never_blocks_pods(rendered: dict[str, Any]) -> None:
-    docs = rendered["default"]
+    docs = rendered["all-namespaces"]
     [mwc] = by_kind(docs, "MutatingWebhookConfiguration")
     assert [h["name"] for h in mwc["webhooks"]] == ["pods.sdcguard.dev", "nodereplacements.sdcguard.dev"]
     hook = mwc["webhooks"][0]
@@ -135,7 +138,7 @@ def test_webhook_configuration_matches_the_server_and_never_blocks_pods(rendered
 
 
 def test_two_replicas_elect_a_leader_and_one_alone_may_skip_it(rendered: dict[str, Any]) -> None:
-    [deployment] = by_kind(rendered["default"], "Deployment")
+    [deployment] = by_kind(rendered["all-namespaces"], "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     [operator] = pod["containers"]
     env = {e["name"]: e.get("value") for e in operator["env"]}
@@ -144,17 +147,17 @@ def test_two_replicas_elect_a_leader_and_one_alone_may_skip_it(rendered: dict[st
     assert env["SDCGUARD_LEADER_LEASE"] == "sdcguard-operator"
     assert int(env["SDCGUARD_RENEW_SECONDS"]) < int(env["SDCGUARD_LEASE_SECONDS"])
     assert pod["affinity"]["podAntiAffinity"]  # not both replicas on one node
-    [binding] = [b for b in by_kind(rendered["default"], "RoleBinding") if b["roleRef"]["kind"] == "Role"]
+    [binding] = [b for b in by_kind(rendered["all-namespaces"], "RoleBinding") if b["roleRef"]["kind"] == "Role"]
     assert binding["metadata"]["namespace"] == "sdcguard"
-    refused = helm("template", "x", str(CHART), "--set", "operator.leaderElection.enabled=false")
+    refused = helm("template", "x", str(CHART), *EVERYWHERE, "--set", "operator.leaderElection.enabled=false")
     assert refused.returncode != 0 and "leaderElection" in refused.stderr
-    single = render(["--set", "operator.replicas=1", "--set", "operator.leaderElection.enabled=false"])
+    single = render([*EVERYWHERE, "--set", "operator.replicas=1", "--set", "operator.leaderElection.enabled=false"])
     [deployment] = by_kind(single, "Deployment")
     assert deployment["spec"]["replicas"] == 1
 
 
 def test_nodereplacement_webhook_fails_closed_on_the_main_resource_only(rendered: dict[str, Any]) -> None:
-    docs = rendered["default"]
+    docs = rendered["all-namespaces"]
     [mwc] = by_kind(docs, "MutatingWebhookConfiguration")
     pods, hook = mwc["webhooks"]
     assert hook["failurePolicy"] == "Fail" and hook["sideEffects"] == "None"
@@ -169,7 +172,7 @@ def test_nodereplacement_webhook_fails_closed_on_the_main_resource_only(rendered
     env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
     assert env["SDCGUARD_OPERATOR_USERNAME"] == f"system:serviceaccount:sdcguard:{spec['serviceAccountName']}"
     assert env["SDCGUARD_REQUIRE_SIGNED_ALARMS"] == "true"
-    off = render(["--set", "operator.requireSignedAlarms=false"])
+    off = render([*EVERYWHERE, "--set", "operator.requireSignedAlarms=false"])
     env = {e["name"]: e.get("value") for e in by_kind(off, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["SDCGUARD_REQUIRE_SIGNED_ALARMS"] == "false"
 
@@ -178,7 +181,7 @@ def test_alarm_keys_are_written_only_where_alarms_are_accepted_and_no_secret_is_
     """Issue 20, 6: with namespaces [] (the default) the operator could read every Secret in the
     cluster. Now it derives each job's key from its master key: it writes key Secrets in the
     namespaces served and reads no Secret but its master key, in its own namespace."""
-    everywhere = rendered["default"]
+    everywhere = rendered["all-namespaces"]
     keys = [r for r in by_kind(everywhere, "ClusterRole") if r["metadata"]["name"] == "sdcguard-alarm-keys"]
     assert [_granted(r) for r in keys] == [{("", "secrets", "create"), ("", "secrets", "patch"),
                                             ("", "configmaps", "get"), ("", "configmaps", "create"),
@@ -203,10 +206,44 @@ def test_alarm_keys_are_written_only_where_alarms_are_accepted_and_no_secret_is_
                    if r["metadata"]["name"] != "sdcguard-alarm-keys" for v in ("get", "list", "watch", "create", "patch"))
 
 
+def test_default_values_grant_no_cluster_wide_secret_writes() -> None:
+    """Attack (security review 3, HIGH 1): with the default values (``operator.namespaces: []``) the
+    chart bound ``secrets create/patch`` (and ConfigMaps) in every namespace to the operator's
+    service account: a ``kubernetes.io/service-account-token`` Secret minted any account's token, a
+    PATCH answer read any Secret, a patch of kube-system/aws-auth made an IAM role cluster-admin.
+    Now the chart renders that grant only when ``rbac.clusterWideSecrets`` asks for it (else it
+    fails naming the value), never without the ValidatingAdmissionPolicy that confines it to the
+    operator's own objects (tests/test_security_round3.py evaluates its CEL); listing the namespaces
+    served binds the grant there only."""
+    refused = helm("template", "sdcguard", str(CHART), "--namespace", "sdcguard")
+    assert refused.returncode != 0
+    assert "rbac.clusterWideSecrets" in refused.stderr and "operator.namespaces" in refused.stderr, refused.stderr
+    unconfined = helm("template", "sdcguard", str(CHART), "--namespace", "sdcguard", *EVERYWHERE,
+                      "--set", "admissionPolicy.enabled=false")
+    assert unconfined.returncode != 0 and "admissionPolicy.enabled" in unconfined.stderr, unconfined.stderr
+
+    def secret_bindings(docs: list[dict[str, Any]]) -> list[tuple[str, str]]:
+        writers = {r["metadata"]["name"] for r in by_kind(docs, "ClusterRole") if {("", "secrets", "create"), (
+            "", "secrets", "patch")} & _granted(r)}
+        return sorted((b["kind"], b["metadata"].get("namespace", "")) for b in by_kind(docs, "ClusterRoleBinding")
+                      + by_kind(docs, "RoleBinding") if b["roleRef"]["name"] in writers)
+
+    scoped = render(["--set", "operator.namespaces={ml,research}"])
+    assert secret_bindings(scoped) == [("RoleBinding", "ml"), ("RoleBinding", "research")]
+    assert secret_bindings(render(EVERYWHERE)) == [("ClusterRoleBinding", "")]
+    for docs in (scoped, render(EVERYWHERE), render(["--set", "operator.namespaces={ml}", "--set", "rbac.create=false"])):
+        [policy] = by_kind(docs, "ValidatingAdmissionPolicy")
+        [binding] = by_kind(docs, "ValidatingAdmissionPolicyBinding")
+        assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+        assert policy["spec"]["failurePolicy"] == "Fail"
+    plain = [d for d in yaml.safe_load_all((DEPLOY / "sdcguard.yaml").read_text()) if d]
+    assert secret_bindings(plain) == [("ClusterRoleBinding", "")] and by_kind(plain, "ValidatingAdmissionPolicy")
+
+
 def test_self_signed_certificate_is_valid_for_the_service_and_matches_the_ca_bundle(rendered: dict[str, Any]) -> None:
     from cryptography import x509
 
-    docs = rendered["default"]
+    docs = rendered["all-namespaces"]
     [secret] = by_kind(docs, "Secret")
     [mwc] = by_kind(docs, "MutatingWebhookConfiguration")
     ca_pem = base64.b64decode(mwc["webhooks"][0]["clientConfig"]["caBundle"])
@@ -236,7 +273,7 @@ def test_other_value_sets_render_what_they_ask_for(rendered: dict[str, Any]) -> 
     env = {e["name"]: e.get("value") for e in by_kind(irsa, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert (env["SDCGUARD_CLUSTER_NAME"], env["SDCGUARD_REGION"], env["SDCGUARD_NAMESPACES"]) == (
         "ml-cluster", "us-west-2", "ml,research")
-    assert "eks.amazonaws.com/role-arn" not in (by_kind(rendered["default"], "ServiceAccount")[0]["metadata"]
+    assert "eks.amazonaws.com/role-arn" not in (by_kind(rendered["all-namespaces"], "ServiceAccount")[0]["metadata"]
                                                 .get("annotations") or {})
 
     own = rendered["own-secret-renamed"]
@@ -288,11 +325,11 @@ def _granted(role: dict[str, Any]) -> set[tuple[str, str, str]]:
 
 
 def test_every_granted_verb_is_justified_in_the_chart_readme(rendered: dict[str, Any]) -> None:
-    roles = {r["metadata"]["name"]: r for r in by_kind(rendered["default"], "ClusterRole")}
+    roles = {r["metadata"]["name"]: r for r in by_kind(rendered["all-namespaces"], "ClusterRole")}
     operator_role, approver_role = roles["sdcguard-operator"], roles["sdcguard-approver"]
     assert _granted(operator_role) == _readme_rbac_table("grants exactly these verbs")
     assert _granted(roles["sdcguard-alarm-keys"]) == _readme_rbac_table("it grants:")
-    [own] = [r for r in by_kind(rendered["default"], "Role") if r["metadata"]["name"] == "sdcguard-operator"]
+    [own] = [r for r in by_kind(rendered["all-namespaces"], "Role") if r["metadata"]["name"] == "sdcguard-operator"]
     assert _granted(own) == _readme_rbac_table("need to take turns safely:")
     assert _granted(approver_role) == _readme_rbac_table("ClusterRole (`approver.create`) is for people:")
     for role in (operator_role, roles["sdcguard-alarm-keys"]):
@@ -413,7 +450,7 @@ def test_iam_policy_allows_exactly_the_sagemaker_actions_the_operator_calls() ->
 
 @pytest.mark.parametrize("dockerfile, requirements, module", [
     ("Dockerfile.agent", "agent-requirements.txt", "sdcguard.sidecar.publisher"),
-    ("Dockerfile.operator", "operator-requirements.txt", "sdcguard_operator"),
+    ("Dockerfile.operator", "operator-requirements.txt", "sdcguard_operator.main"),
 ])
 def test_images_are_pinned_multi_stage_non_root_and_torch_free(dockerfile: str, requirements: str, module: str) -> None:
     text = (ROOT / dockerfile).read_text()
@@ -429,13 +466,13 @@ def test_images_are_pinned_multi_stage_non_root_and_torch_free(dockerfile: str, 
     packages = {p.split("==")[0].lower().replace("_", "-") for p in pins}
     assert "torch" not in packages and "numpy" not in packages
     assert {"kubernetes", "prometheus-client"} <= packages
-    if module == "sdcguard_operator":
+    if module == "sdcguard_operator.main":
         assert {"kopf", "boto3"} <= packages
 
 
 def test_notes_tell_the_next_steps() -> None:
     def notes(*args: str) -> str:
-        done = helm("install", "sdcguard", str(CHART), "--namespace", "sdcguard", "--dry-run=client", *args)
+        done = helm("install", "sdcguard", str(CHART), "--namespace", "sdcguard", "--dry-run=client", *EVERYWHERE, *args)
         assert done.returncode == 0, done.stderr
         return done.stdout.split("NOTES:", 1)[1]
 

@@ -1,7 +1,7 @@
 """Containment (operator/contain.py): the job suspended, suspect nodes cordoned and labelled, under the storm guard.
 
 The storm guard's tests build worlds of their own (tests/conftest.py ``make_world``): one with the
-default limit (2 suspect nodes at once) run as ``kopf run -m sdcguard_operator``, one holding a
+default limit (2 suspect nodes at once) run as ``kopf run -m sdcguard_operator.main``, one holding a
 single node. The limit arithmetic is a pure function, tested in-process.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ def test_third_suspect_node_is_held_until_a_slot_frees(make_world):
     """With maxConcurrentSuspectNodes at its default (2), three incidents on three nodes cordon
     two; the third is recorded and contained (job suspended) with the StormGuard condition, and is
     cordoned once a slot frees (a denial uncordons one node)."""
-    world = make_world(via_kopf=True, admission=True)  # `kopf run -m sdcguard_operator`; the default limit, 2
+    world = make_world(via_kopf=True, admission=True)  # `kopf run -m sdcguard_operator.main`; the default limit, 2
     ns = "storm"
     ids = [new_instance() for _ in range(4)]
     nodes = [world.node(i) for i in ids]

@@ -27,13 +27,13 @@ from prometheus_client import CollectorRegistry
 import sdcguard_operator.metrics as operator_metrics
 from sdcguard.sidecar import metrics as sidecar_metrics
 
-from test_chart import CHART, K8S_VERSION, by_kind, helm, render
+from test_chart import CHART, EVERYWHERE, K8S_VERSION, by_kind, helm, render
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = CHART / "dashboards" / "sdcguard.json"
 PROMTOOL = shutil.which("promtool") or str(ROOT / ".venv" / "bin" / "promtool")
 METRICS_SOURCES = [ROOT / "agent" / "sidecar" / "metrics.py", ROOT / "operator" / "metrics.py"]
-ON = ["--set", "dashboards.enabled=true,alerts.enabled=true"]
+ON = [*EVERYWHERE, "--set", "dashboards.enabled=true,alerts.enabled=true"]
 
 # Labels Prometheus adds when it scrapes (PodMonitor / ServiceMonitor target labels).
 TARGET_LABELS = {"namespace", "pod", "container", "endpoint", "instance", "job", "service"}
@@ -387,7 +387,7 @@ def test_rules_fire_when_they_should_under_promtool(rules_file: Path) -> None:
 # --- the chart -------------------------------------------------------------------------------
 
 def test_chart_renders_neither_by_default_and_both_when_enabled(tmp_path: Path) -> None:
-    default = render([])
+    default = render(EVERYWHERE)
     assert not by_kind(default, "PrometheusRule")
     assert not [d for d in by_kind(default, "ConfigMap") if "grafana_dashboard" in d["metadata"]["labels"]]
     docs = render(ON)

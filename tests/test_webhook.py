@@ -1,6 +1,6 @@
 """The pod mutating webhook (docs/design.md §5): AdmissionReviews over HTTPS to kopf's real admission server.
 
-The operator runs in a thread with a registry holding only the webhook's handlers (plus a login
+The operator runs in a thread with a registry holding only the webhooks (plus a login
 handler for the emulator), configured the way the chart configures it: a certificate directory,
 a port, the sidecar settings in the environment. PyTorchJobs live in kmock and are read back by
 the webhook through the official client. The returned JSONPatch is applied with ``jsonpatch``
@@ -28,6 +28,7 @@ import kubernetes
 import kubernetes_validate
 import pytest
 
+import sdcguard_operator.main as main
 import sdcguard_operator.pod_mutation as pod_mutation
 import sdcguard_operator.webhook as webhook
 from sdcguard.contract import names
@@ -69,11 +70,12 @@ def free_port() -> int:
 
 
 class WebhookOperator:
-    """kopf.run() in a thread with only the webhook registered (the pod webhook; ``register`` and
-    ``handler_id`` pick another); HTTPS on ``self.url``."""
+    """kopf.run() in a thread with only the webhooks registered (both, as the operator registers
+    them: :func:`sdcguard_operator.main.register`), the settings read from ``env`` as at start;
+    ``handler_id`` picks the one ``self.url`` points at (the pod webhook by default); HTTPS."""
 
-    def __init__(self, kube: Any, workdir: Path, register: Any = webhook.register,
-                 handler_id: str = webhook.HANDLER_ID, env: dict[str, str] | None = None) -> None:
+    def __init__(self, kube: Any, workdir: Path, handler_id: str = webhook.HANDLER_ID,
+                 env: dict[str, str] | None = None) -> None:
         self.kube = kube
         self.port = free_port()
         self.tls = make_tls(workdir / "tls")
@@ -83,9 +85,7 @@ class WebhookOperator:
         self._saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         registry = kopf.OperatorRegistry()
-        register(registry)
-        if register is not webhook.register:  # kopf refuses admission handlers without a server
-            kopf.on.startup(registry=registry)(webhook.configure)
+        main.register(registry, main.load_settings(), handlers_too=False, with_login=False)
 
         @kopf.on.login(registry=registry)
         def login(**kwargs: Any) -> Any:

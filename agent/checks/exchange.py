@@ -29,7 +29,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 # destroyed on the worker thread, which must take the GIL — and during interpreter shutdown a
 # thread that takes the GIL is killed inside a C++ destructor: "terminate called without an
 # active exception", SIGABRT, a finished job reported failed (seen under CPU load at the end of
-# the README example, 4 exits in 20; the core: ~AsyncBroadcastWork -> decref_pyobject -> take_gil
+# the DDP example of docs/library.md, 4 exits in 20; the core: ~AsyncBroadcastWork -> decref_pyobject -> take_gil
 # -> pthread_exit). Held here, the op is destroyed later on the thread that drops it from the
 # deque (with the GIL), or never.
 _WORKS: deque[Any] = deque(maxlen=256)

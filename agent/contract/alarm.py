@@ -1,15 +1,21 @@
 """The alarm record, schema ``sdcguard.dev/alarm/v1`` (docs/design.md §3): built, validated, serialised.
 
+The wire form is a JSON object (:func:`make_alarm` builds it, :func:`loads` parses it, both
+validate every field, the optional ones of :class:`Additive` included); :class:`Alarm` is the
+same record as typed fields.
+
 One schema shared by the library (which writes records), the sidecar (which publishes them) and
 the operator (which acts on them). Standard library only: the sidecar and the operator never
 import torch.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import math
-from typing import Any, Mapping
+import re
+from typing import Any, Mapping, TypedDict, Unpack
 
 SCHEMA = "sdcguard.dev/alarm/v1"
 
@@ -27,6 +33,125 @@ REQUIRED_FIELDS = (
 
 class AlarmError(ValueError):
     """A record that does not follow the schema; the message says which field and why."""
+
+
+class Additive(TypedDict, total=False):
+    """The optional fields of a v1 record (docs/design.md §3, §9, §10), as :func:`make_alarm`
+    takes them: a field not given is absent from the record (a record of an older library lacks
+    it); one given is validated like every other field, when built and when parsed."""
+
+    suspect_window: Mapping[str, int]
+    """``{first_step, last_step}``: the steps whose results the fault may have touched."""
+    last_audited_step: int | None
+    """The last step whose audit (check 2) passed."""
+    last_weights_verified_step: int | None
+    """The last step whose weight check (check 3) passed."""
+    steps_at_risk: int | None
+    """The steps resuming from ``last_good_checkpoint`` redoes (alarm step - its step)."""
+    last_good_checkpoint_sha256: str | None
+    """The SHA-256 (hex) of the checkpoint named, as its manifest records it."""
+    last_good_checkpoint_step: int | None
+    """The manifest step of the checkpoint named."""
+    last_good_checkpoint_kept_from: str | None
+    """The path the named checkpoint was saved to, when sdcguard kept it because that path was
+    written again."""
+    drill: bool
+    """The record comes from ``sdcguard drill`` (synthetic faults)."""
+
+
+ADDITIVE_FIELDS = tuple(Additive.__annotations__)
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Gpu:
+    """``suspects[].gpu``: the rank's device (``uuid`` None on CPU)."""
+
+    index: int
+    uuid: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Identity:
+    """A rank as the record names it: ``{rank, pod, node}`` (pod/node None outside Kubernetes),
+    its pod's uid (signed, docs/design.md §9) and its GPU (§10) where known."""
+
+    rank: int
+    pod: str | None
+    node: str | None
+    pod_uid: str | None = None
+    gpu: Gpu | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Job:
+    """``job``: the Kubernetes job; ``uid`` is the instance the record was signed for."""
+
+    kind: str
+    name: str
+    namespace: str
+    uid: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SuspectWindow:
+    first_step: int
+    last_step: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Alarm:
+    """A v1 record as typed fields (:meth:`parse`). The wire form stays the JSON object
+    :func:`make_alarm` builds and :func:`loads` reads (the signature covers its exact text);
+    fields a record lacks are None here (``drill`` False)."""
+
+    id: str
+    time: str
+    job: Job | None
+    check: str
+    step: int
+    suspect_ranks: tuple[int, ...]
+    suspects: tuple[Identity, ...]
+    ambiguous: bool
+    reporter: Identity
+    evidence: Mapping[str, Any]
+    last_verified_step: int | None
+    last_good_checkpoint: str | None
+    suspect_window: SuspectWindow | None = None
+    last_audited_step: int | None = None
+    last_weights_verified_step: int | None = None
+    steps_at_risk: int | None = None
+    last_good_checkpoint_sha256: str | None = None
+    last_good_checkpoint_step: int | None = None
+    last_good_checkpoint_kept_from: str | None = None
+    drill: bool = False
+
+    @classmethod
+    def parse(cls, record: Any) -> "Alarm":
+        """The typed view of a record, which is validated first (:class:`AlarmError`)."""
+        validate(record)
+        window = record.get("suspect_window")
+        job = record["job"]
+        return cls(
+            id=record["id"], time=record["time"], check=record["check"], step=record["step"],
+            job=None if job is None else Job(kind=job["kind"], name=job["name"], namespace=job["namespace"],
+                                             uid=job.get("uid")),
+            suspect_ranks=tuple(record["suspect_ranks"]),
+            suspects=tuple(_identity(s) for s in record["suspects"]), ambiguous=record["ambiguous"],
+            reporter=_identity(record["reporter"]), evidence=record["evidence"],
+            last_verified_step=record["last_verified_step"], last_good_checkpoint=record["last_good_checkpoint"],
+            suspect_window=None if window is None else SuspectWindow(first_step=window["first_step"],
+                                                                     last_step=window["last_step"]),
+            **{f: record.get(f) for f in ADDITIVE_FIELDS if f not in ("suspect_window", "drill")},
+            drill=record.get("drill") is True,
+        )
+
+
+def _identity(entry: Mapping[str, Any]) -> Identity:
+    gpu = entry.get("gpu")
+    return Identity(rank=entry["rank"], pod=entry["pod"], node=entry["node"], pod_uid=entry.get("pod_uid"),
+                    gpu=None if gpu is None else Gpu(index=gpu["index"], uuid=gpu.get("uuid")))
 
 
 def now_rfc3339() -> str:
@@ -54,9 +179,16 @@ def make_alarm(
     evidence: Mapping[str, Any],
     last_verified_step: int | None,
     last_good_checkpoint: str | None,
-    **extra: Any,
+    **additive: Unpack[Additive],
 ) -> dict[str, Any]:
-    """Build a record; ``identities`` maps every rank to its ``{rank, pod, node}``."""
+    """Build a record; ``identities`` maps every rank to its ``{rank, pod, node}`` (and
+    ``pod_uid``, ``gpu`` where known); ``additive``: the optional fields of :class:`Additive`,
+    each present in the record only when given. Raises :class:`AlarmError` on a bad value, and
+    ``TypeError`` on a field the schema does not have."""
+    unknown = sorted(set(additive) - set(ADDITIVE_FIELDS))
+    if unknown:
+        raise TypeError(f"make_alarm() got fields the alarm schema does not have: {', '.join(unknown)} "
+                        f"(optional fields: {', '.join(ADDITIVE_FIELDS)})")
     record = {
         "schema": SCHEMA,
         "id": alarm_id,
@@ -71,7 +203,7 @@ def make_alarm(
         "evidence": json_safe(evidence),
         "last_verified_step": last_verified_step,
         "last_good_checkpoint": last_good_checkpoint,
-        **json_safe(extra),
+        **json_safe(dict(additive)),
     }
     validate(record)
     return record
@@ -113,7 +245,36 @@ def validate(record: Any) -> dict[str, Any]:
         raise AlarmError("last_verified_step must be an integer or null")
     if record["last_good_checkpoint"] is not None and not isinstance(record["last_good_checkpoint"], str):
         raise AlarmError("last_good_checkpoint must be a string or null")
+    _validate_additive(record)
     return record
+
+
+def _validate_additive(record: dict[str, Any]) -> None:
+    """The optional fields, where present (a record of an older library lacks them)."""
+    window = record.get("suspect_window")
+    if window is not None:
+        if not isinstance(window, dict) or not all(_is_int(window.get(k)) and window[k] >= 0
+                                                   for k in ("first_step", "last_step")):
+            raise AlarmError("suspect_window must be {first_step, last_step} non-negative integers")
+        if window["first_step"] > window["last_step"]:
+            raise AlarmError("suspect_window.first_step must not be after suspect_window.last_step")
+    for key in ("last_audited_step", "last_weights_verified_step", "last_good_checkpoint_step"):
+        if record.get(key) is not None and not _is_int(record[key]):
+            raise AlarmError(f"{key} must be an integer or null")
+    at_risk = record.get("steps_at_risk")
+    if at_risk is not None and (not _is_int(at_risk) or at_risk < 0):
+        raise AlarmError("steps_at_risk must be a non-negative integer or null")
+    sha = record.get("last_good_checkpoint_sha256")
+    if sha is not None and (not isinstance(sha, str) or not _SHA256.match(sha)):
+        raise AlarmError("last_good_checkpoint_sha256 must be 64 lowercase hex digits or null")
+    kept = record.get("last_good_checkpoint_kept_from")
+    if kept is not None and not isinstance(kept, str):
+        raise AlarmError("last_good_checkpoint_kept_from must be a string or null")
+    if "drill" in record and not isinstance(record["drill"], bool):
+        raise AlarmError("drill must be a boolean")
+    job = record["job"]
+    if job is not None and job.get("uid") is not None and not isinstance(job["uid"], str):
+        raise AlarmError("job.uid must be a string or null")
 
 
 def dumps(record: Mapping[str, Any]) -> str:
@@ -158,3 +319,9 @@ def _validate_identity(entry: Any, where: str) -> None:
     for key in ("pod", "node"):
         if key not in entry or not (entry[key] is None or isinstance(entry[key], str)):
             raise AlarmError(f"{where}.{key} must be a string or null")
+    if entry.get("pod_uid") is not None and not isinstance(entry["pod_uid"], str):
+        raise AlarmError(f"{where}.pod_uid must be a string or null")
+    gpu = entry.get("gpu")
+    if gpu is not None and (not isinstance(gpu, dict) or not _is_int(gpu.get("index")) or gpu["index"] < 0
+                            or not (gpu.get("uuid") is None or isinstance(gpu["uuid"], str))):
+        raise AlarmError(f"{where}.gpu must be {{index, uuid}}: a non-negative integer and a string or null")

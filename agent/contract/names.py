@@ -79,6 +79,17 @@ ENV_JOB_UID = "SDCGUARD_JOB_UID"
 """The enabled PyTorchJob's uid (the pod's controlling ownerReference): signed as ``job.uid``."""
 ENV_ALARM_KEY_FILE = "SDCGUARD_ALARM_KEY_FILE"
 """The sidecar's signing key file (default ``ALARM_KEY_FILE``)."""
+DEFAULT_AUDIT_EVERY = 100
+"""``sdcguard.Config.audit_every`` when neither the script nor the job sets it."""
+DEFAULT_WEIGHT_CHECK_EVERY = 10
+"""``sdcguard.Config.weight_check_every`` when neither the script nor the job sets it."""
+ANNOTATION_SETTINGS = {
+    AUDIT_EVERY_ANNOTATION: (ENV_AUDIT_EVERY, DEFAULT_AUDIT_EVERY),
+    WEIGHT_CHECK_EVERY_ANNOTATION: (ENV_WEIGHT_CHECK_EVERY, DEFAULT_WEIGHT_CHECK_EVERY),
+}
+"""A job's check-setting annotation -> (the training container's environment variable, the
+library's default): the webhook writes the variable from the annotation (and names the default
+when the value is bad), ``sdcguard.Config.from_env`` reads it."""
 DOWNWARD_API = {ENV_POD_NAME: "metadata.name", ENV_POD_NAMESPACE: "metadata.namespace", ENV_NODE_NAME: "spec.nodeName"}
 """Environment variable -> downward-API field path, as the webhook adds them."""
 POD_UID_FIELD = "metadata.uid"

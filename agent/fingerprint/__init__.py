@@ -19,7 +19,9 @@ device-to-host transfer.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable, Iterator, NamedTuple, Sequence
+import sys
+import types
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -197,3 +199,15 @@ def _flat_chunks(tensor: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
             yield from _flat_chunks(slab[0], limit)
 
 
+
+
+class _CallableModule(types.ModuleType):
+    """``sdcguard.fingerprint`` is both this package and the function of the same name (the lazy
+    export in ``sdcguard/__init__``): once anything imports the package, Python binds the package
+    to that name, so the package itself must answer a call as the function does."""
+
+    def __call__(self, tensor: torch.Tensor, **kwargs: Any) -> Fingerprint:
+        return fingerprint(tensor, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

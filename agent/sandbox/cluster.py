@@ -138,9 +138,9 @@ class Sandbox:
 
     # -- the operator process -------------------------------------------------------------------
     def start_operator(self, via_kopf: bool = False) -> None:
-        """``sdcguard operator``, or ``kopf run -m sdcguard_operator --standalone`` with ``via_kopf``."""
+        """``sdcguard operator``, or ``kopf run -m sdcguard_operator.main --standalone`` with ``via_kopf``."""
         self.starts += 1
-        command = [str(BINDIR / "kopf"), "run", "-m", "sdcguard_operator", "--standalone", "--all-namespaces"] \
+        command = [str(BINDIR / "kopf"), "run", "-m", "sdcguard_operator.main", "--standalone", "--all-namespaces"] \
             if via_kopf else [*SDCGUARD, "operator"]
         with open(self.workdir / f"operator-{self.starts}.log", "wb") as log:
             self.proc = subprocess.Popen(command, env=self.operator_env, stdout=log, stderr=subprocess.STDOUT,

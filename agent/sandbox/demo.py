@@ -37,6 +37,7 @@ from typing import Any
 from ..contract import names
 from ..child_process import die_with_parent, stop_on_sigterm
 from ..contract.alarm import rfc3339_seconds
+from ..contract.phases import IncidentPhase, ReplacementPhase
 from .cluster import BINDIR, KUBECTL, SDCGUARD, Sandbox, SandboxError, workdir_problem
 from .training import StandIns, TrainingJob, injected_sidecar, key_mounted_in, start_training_job
 
@@ -159,10 +160,12 @@ class Demo:
         ns = training.namespace
         incident = sandbox.wait(lambda: _one(sandbox.incidents(ns)), timeout=60, what="the SDCIncident")
         name = incident["metadata"]["name"]
+        pending = ReplacementPhase.PENDING_APPROVAL
         replacement = sandbox.wait(lambda: _one([r for r in sandbox.replacements()
-                                                 if (r.get("status") or {}).get("phase") == "PendingApproval"]),
+                                                 if (r.get("status") or {}).get("phase") == pending]),
                                    timeout=60, what="a NodeReplacement in PendingApproval")
-        sandbox.wait(lambda: (sandbox.incident(ns, name).get("status") or {}).get("phase") == "AwaitingApproval",
+        sandbox.wait(lambda: (sandbox.incident(ns, name).get("status") or {}).get("phase")
+                     == IncidentPhase.AWAITING_APPROVAL,
                      timeout=30, what="the incident to await approval")
         self.show(sandbox, "get", "sdcincidents,nodereplacements", "-n", ns)
         suspect = replacement["spec"]["nodeName"]
@@ -180,10 +183,11 @@ class Demo:
         name = replacement["metadata"]["name"]
         self.show(sandbox, "sdcguard", "approve", name, "--reason", "stress test failed on GPU 1; replace it",
                   kubeconfig=training.approver_kubeconfig)
-        sandbox.wait(lambda: (sandbox.replacement(name).get("status") or {}).get("phase") == "Replaced",
+        sandbox.wait(lambda: (sandbox.replacement(name).get("status") or {}).get("phase") == ReplacementPhase.REPLACED,
                      timeout=60, what=f"NodeReplacement {name} to be Replaced", require_operator=True)
         ns = training.namespace
-        sandbox.wait(lambda: all((i.get("status") or {}).get("phase") == "Resolved" for i in sandbox.incidents(ns)),
+        sandbox.wait(lambda: all((i.get("status") or {}).get("phase") == IncidentPhase.RESOLVED
+                                for i in sandbox.incidents(ns)),
                      timeout=30, what="the incident to be Resolved", require_operator=True)
         sandbox.wait(lambda: training.replaced, timeout=30, what="the fresh instance's node")
         for old, new in training.replaced:

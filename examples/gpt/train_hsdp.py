@@ -23,7 +23,7 @@ updates and check 3 compares are float32. ``--reduce-bf16`` leaves ``reduce_dtyp
 gradients are reduced in bfloat16: check 4 still runs, with bfloat16's bound (only errors larger
 than the gradient itself show). ``--compile blocks`` compiles each block in place before
 ``fully_shard`` (torchtitan's way), ``--compile root`` the sharded root after it; audit steps run
-eagerly (their own pass and the replays), the others compiled. See README.md, "Sharded models".
+eagerly (their own pass and the replays), the others compiled. See docs/sharded.md.
 """
 import argparse
 import math
