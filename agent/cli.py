@@ -51,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     verify.add_argument("--sha256", help="the SHA-256 the alarm named: refuse a file with other bytes")
     verify.add_argument("--allow-global", action="append", default=[], metavar="MODULE.NAME",
                         help="a class the file may hold besides tensors and plain values (e.g. pathlib.PosixPath "
-                             "among Lightning hyperparameters): built by torch.load(weights_only=True); repeatable")
+                             "among Lightning hyperparameters): built by torch.load(weights_only=True); repeatable. "
+                             "Only classes: functions, other callables and anything from modules that can run "
+                             "code or touch the system (builtins, os, subprocess, sys, importlib, shutil, ...) "
+                             "are refused")
     for name, (_, _, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     args = parser.parse_args(argv)
@@ -75,7 +78,7 @@ def _verify_checkpoint(path: Path, step: int | None, sha256: str | None, allow: 
         print(f"sdcguard verify-checkpoint: error: {path} has no manifest {manifest_path(path).name}", file=sys.stderr)
         return 2
     try:
-        allowed = [_global(name) for name in allow]
+        allowed = [_allowed_class(name) for name in allow]
     except (ImportError, AttributeError, ValueError) as exc:
         print(f"sdcguard verify-checkpoint: error: --allow-global: {exc}", file=sys.stderr)
         return 2
@@ -92,6 +95,19 @@ def _verify_checkpoint(path: Path, step: int | None, sha256: str | None, allow: 
     print(f"OK {found.path}: step {found.step}, {found.parameters} parameters, weight digest {found.weight_digest}, "
           f"sha256 {found.sha256}, {audited}")
     return 0
+
+
+def _allowed_class(name: str) -> object:
+    """The class ``name`` names, when it may be allowed (``sdcguard.checkpoint.refuse_global``): a
+    name in a refused module is refused before anything is imported; ValueError says why."""
+    from .checkpoint import refuse_global, refused_name
+    if refused_name(name):
+        raise ValueError(f"{name} is from a module that can run code or touch the system; it is never allowed")
+    found = _global(name)
+    reason = refuse_global(found)
+    if reason is not None:
+        raise ValueError(f"{name}: {reason}")
+    return found
 
 
 def _global(name: str) -> object:

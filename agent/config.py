@@ -7,6 +7,7 @@ The operator's webhook (docs/design.md §5) turns a job's ``sdcguard.dev/*`` ann
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -19,6 +20,8 @@ ENV = {
     "spool": names.ENV_SPOOL,
     "ranks_per_node": names.ENV_RANKS_PER_NODE,
     "seed": names.ENV_SEED,
+    "max_overhead": names.ENV_MAX_OVERHEAD,
+    "max_audit_interval": names.ENV_MAX_AUDIT_INTERVAL,
 }
 NONFINITE_ACTIONS = ("raise", "skip")
 
@@ -28,7 +31,21 @@ class Config:
     """What the checks do and where alarms go."""
 
     audit_every: int = names.DEFAULT_AUDIT_EVERY
-    """Run check 2 (ring replay) on steps where ``step % audit_every == 0``; 0 turns it off."""
+    """Run check 2 (ring replay) on steps where ``step % audit_every == 0``; 0 turns it off.
+    With ``max_overhead``: the interval the run starts with (at most ``max_audit_interval``)."""
+
+    max_overhead: float | None = None
+    """The integrity budget: the largest training-cost premium the checks may add, as a fraction
+    of a step without them (``0.03``: 3%). Set, the Guard measures what its checks add to an
+    ordinary step and what an audit adds, and after each audit chooses the audit interval
+    (``sdcguard.budget``): the smallest whose measured premium fits the budget, never more than
+    ``max_audit_interval`` and never below 1; the same on every rank. None: ``audit_every`` fixed."""
+
+    max_audit_interval: int | None = None
+    """With ``max_overhead`` (required there): the longest audit interval the budget may choose, in
+    steps — the detection latency you accept for a compute fault (a suspect window is at most this
+    long). When even this interval costs more than the budget, the Guard audits at this interval
+    and says so."""
 
     weight_check_every: int = names.DEFAULT_WEIGHT_CHECK_EVERY
     """Run check 3 (weight fingerprints) after the update on steps where
@@ -96,8 +113,35 @@ class Config:
             not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1
         ):
             raise ValueError(f"ranks_per_node must be an integer >= 1, got {self.ranks_per_node!r}")
+        self._check_budget()
         if self.on_nonfinite not in NONFINITE_ACTIONS:
             raise ValueError(f"on_nonfinite must be one of {NONFINITE_ACTIONS}, got {self.on_nonfinite!r}")
+
+    def _check_budget(self) -> None:
+        overhead, cap = self.max_overhead, self.max_audit_interval
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ValueError(f"max_audit_interval must be an integer >= 1, got {cap!r}")
+        if overhead is None:
+            if cap is not None:
+                raise ValueError("max_audit_interval applies only with max_overhead (the integrity budget); "
+                                 "for a fixed audit interval set audit_every")
+            return
+        if not isinstance(overhead, (int, float)) or isinstance(overhead, bool) or not math.isfinite(overhead) \
+                or overhead <= 0:
+            raise ValueError(f"max_overhead must be a number > 0 (a fraction of the step time: 0.03 is 3%), "
+                             f"got {overhead!r}")
+        if cap is None:
+            raise ValueError(f"max_overhead needs max_audit_interval ({names.ENV_MAX_AUDIT_INTERVAL}): the longest "
+                             "audit interval the budget may choose, i.e. the detection latency you accept")
+        if self.audit_every == 0:
+            raise ValueError("max_overhead chooses the audit interval, but audit_every=0 turns audits off: "
+                             "leave audit_every out (it is only the starting interval with max_overhead), "
+                             "or drop max_overhead")
+
+    @property
+    def budgeted(self) -> bool:
+        """The audit interval is chosen by the integrity budget (``max_overhead``), not fixed."""
+        return self.max_overhead is not None
 
     def publish_wait(self) -> float:
         if self.publish_wait_seconds is not None:
@@ -120,7 +164,8 @@ class Config:
         for name, var in ENV.items():
             raw = env.get(var, "").strip()
             if raw:
-                values[name] = raw if name == "spool" else _parse_int(var, raw)
+                values[name] = raw if name == "spool" else (
+                    _parse_float(var, raw) if name == "max_overhead" else _parse_int(var, raw))
         if "ranks_per_node" not in values and env.get("LOCAL_WORLD_SIZE", "").strip():
             values["ranks_per_node"] = _parse_int("LOCAL_WORLD_SIZE", env["LOCAL_WORLD_SIZE"])
         for key, var in (("pod", names.ENV_POD_NAME), ("node", names.ENV_NODE_NAME), ("pod_uid", names.ENV_POD_UID)):
@@ -140,6 +185,13 @@ def _parse_int(var: str, raw: str) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"{var} must be an integer, got {raw!r}") from None
+
+
+def _parse_float(var: str, raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{var} must be a number, got {raw!r}") from None
 
 
 def _job_from_env(env: Mapping[str, str]) -> dict[str, str] | None:

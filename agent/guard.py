@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import recovery
+from .budget import DECIDED, Budget
 from .checks.commhook import ReduceHook
 from .checks.determinism import check_replayable
 from .checks.replay import ForwardBuffers
@@ -108,6 +109,13 @@ class Guard:
         self.stats = CheckStats(self.topology.identities[self.topology.rank], self.config.job)
         self.verifier = Verifier(self.layout, self.stats)
         self.reporter = AlarmReporter(self.config, self.topology, self.stats, self.group)
+        self.budget: Budget | None = None
+        """The integrity budget's audit interval (``Config.max_overhead``), or None: ``audit_every``."""
+        if self.config.budgeted and self._replays:
+            self.budget = Budget(self.config, self.stats, self.device, self.group,
+                                 self.topology.world_size, self.topology.rank)
+        else:
+            self.stats.audit_schedule = {"mode": "fixed", "interval": self.config.audit_every if self._replays else 0}
         self._step_context = StepContext(model=model, loss_fn=loss_fn, scaler=self.scaler, layout=self.layout,
                                          seed=self.config.seed, forwards=self.forwards, begin=self._begin,
                                          verify=self._verify, end=self._end)
@@ -160,7 +168,8 @@ class Guard:
         # A single process has nobody to replay its batch: check 2 needs two ranks at least.
         if not self._replays:
             return False
-        every = self.config.audit_every
+        # Under an integrity budget the interval is the one every rank last agreed on (sdcguard.budget).
+        every = self.budget.interval if self.budget is not None else self.config.audit_every
         if every > 0 and step % every == 0:
             return True
         return self.config.audits_checkpoints() and step % self.config.checkpoint_every == 0
@@ -313,6 +322,8 @@ class Guard:
         self.gate.open(step)
         self.layout.begin_step(step, audit)
         self.stats.last_step = step
+        if self.budget is not None:
+            self.budget.begin(audit)
 
     def _verify(self, record: StepRecord) -> bool:
         """Checks 1 and 4 (and 2 and 3 on audit steps) before any update: raise on every rank
@@ -330,6 +341,8 @@ class Guard:
         # A NaN/Inf refused as the data's is done with, unapplied: the weights are the step before's.
         self.gate.close(done=failed is None or isinstance(failed, NonFiniteGradient))
         if failed is not None:
+            if self.budget is not None:
+                self.budget.interrupted()
             return
         if unchecked:
             raise RuntimeError(f"sdcguard: step {step} ended without s.check(): its gradients were never checked")
@@ -337,6 +350,8 @@ class Guard:
             self.check_weights(step)
         self.stats.last_verified_step = self.history.last_verified_step
         self.stats.steps += 1
+        if self.budget is not None:  # measure the step; after an audit, re-decide the interval
+            self.budget.ended(step)
         self.stats.flush(self.config.spool)
 
     def _nonfinite_reproduced(self, step: int, ranks: dict[int, int | None], confirmed: bool) -> bool:
@@ -363,10 +378,20 @@ class Guard:
         cfg, topo = self.config, self.topology
         for line in self.plan_lines():
             log.warning("sdcguard: %s", line)
+        audits = cfg.audit_every or "never"
+        if self.budget is not None:
+            audits = (f"chosen by the integrity budget (max_overhead={cfg.max_overhead:g}: at most "
+                      f"{cfg.max_overhead * 100:.3g}% added to a step, as measured while training; at least every "
+                      f"{cfg.max_audit_interval} steps, max_audit_interval), starting every {self.budget.interval}, "
+                      f"re-decided {DECIDED} and the same on every rank")
         log.info("sdcguard: %d ranks, %d per node, audit every %s, weight check every %s, spool %s",
-                 topo.world_size, topo.ranks_per_node, cfg.audit_every or "never",
+                 topo.world_size, topo.ranks_per_node, audits,
                  cfg.weight_check_every or "never", cfg.spool or "(none)")
-        if cfg.checkpoint_every and not self.solo and not cfg.audit_checkpoints and (
+        if self.budget is not None and cfg.checkpoint_every and not cfg.audit_checkpoints:
+            log.warning("sdcguard: the audit interval changes under max_overhead, so checkpoints every %d steps "
+                        "are not all audit steps: an alarm may name an older checkpoint than the newest; set "
+                        "audit_checkpoints=True", cfg.checkpoint_every)
+        elif self.budget is None and cfg.checkpoint_every and not self.solo and not cfg.audit_checkpoints and (
                 not cfg.audit_every or cfg.checkpoint_every % cfg.audit_every):
             log.warning("sdcguard: checkpoints every %d steps are not all audit steps (audit every %s): an "
                         "alarm may name an older checkpoint than the newest; set audit_checkpoints=True",

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass, field, replace
 
 from .contract.alarm import (
@@ -96,23 +97,48 @@ def last_good_checkpoint(window: dict[str, int], history: History) -> Checkpoint
     return max(older, key=lambda c: c.step) if older else None
 
 
-def resume_floor(history: History) -> int | None:
-    """The oldest checkpoint step a later alarm can still name, or None when every one may be.
+def _anchors(history: History) -> list[Checkpoint | None]:
+    """For each check that has cleared a step (the last passing audit, check 3, check 4): the
+    newest cross-checked checkpoint at or before that step, or None when there is none.
 
-    An alarm's window starts after the step a check last cleared (the last passing audit, check 3,
-    check 4); those steps only grow, so each check's newest checkpoint at or before the step it
-    cleared bounds what it can name from now on. A check that has cleared nothing yet either
-    never runs, or will clear a step no older than every checkpoint that exists now."""
-    anchors = []
+    The one rule of what a later alarm can name: its window starts after the step its check last
+    cleared, and those steps only grow, so a check can from now on name its anchor or a newer
+    checkpoint, never an older one."""
+    anchors: list[Checkpoint | None] = []
     for cleared in (history.last_audited_step, history.last_weights_verified_step,
                     history.last_reduction_verified_step):
         if cleared is None:
-            continue
-        older = [c.step for c in history.checkpoints if c.step <= cleared and c.cross_checked]
-        if not older:
-            return None
-        anchors.append(max(older))
-    return min(anchors) if anchors else None
+            continue  # never ran, or will clear a step no older than every checkpoint that exists now
+        older = [c for c in history.checkpoints if c.step <= cleared and c.cross_checked]
+        anchors.append(max(older, key=lambda c: c.step) if older else None)
+    return anchors
+
+
+def nameable(history: History) -> list[Checkpoint]:
+    """The checkpoints a later alarm can name besides the newest: each check's anchor (see
+    :func:`_anchors`), oldest first, each once. A framework's rotation that keeps only some
+    checkpoints (Hugging Face's ``save_total_limit``) spares these."""
+    found = {id(c): c for c in _anchors(history) if c is not None}
+    return sorted(found.values(), key=lambda c: c.step)
+
+
+def resume_floor(history: History) -> int | None:
+    """The oldest checkpoint step a later alarm can still name, or None when every one may be
+    (a check cleared a step with no cross-checked checkpoint at or before it): the oldest anchor."""
+    anchors = _anchors(history)
+    if any(a is None for a in anchors):
+        return None
+    return min((a.step for a in anchors if a is not None), default=None)
+
+
+def worth_keeping(history: History, path: str) -> Checkpoint | None:
+    """The entry ``path`` holds, when a framework's rotation is about to remove it and a later alarm
+    may still name it (cross-checked, at or after :func:`resume_floor`, and no other copy of its
+    step in the history): keep it under :func:`kept_path` instead. None: let it go."""
+    floor = resume_floor(history)
+    others = [c for c in history.checkpoints if c.path != path]
+    return next((c for c in history.checkpoints if c.path == path and c.cross_checked
+                 and (floor is None or c.step >= floor) and not any(o.step == c.step for o in others)), None)
 
 
 def kept_path(path: str, step: int) -> str:
@@ -121,6 +147,54 @@ def kept_path(path: str, step: int) -> str:
     stem, dot, suffix = name.rpartition(".")
     kept = f"{stem}.sdcguard-step{step}.{suffix}" if dot and stem else f"{name}.sdcguard-step{step}"
     return os.path.join(head, kept)
+
+
+_KEPT_NAME = re.compile(r".+\.sdcguard-step[0-9]+(?:\.[^./]+)?")
+"""The names :func:`kept_path` gives: ``<stem>.sdcguard-step<N>.<suffix>`` or ``<name>.sdcguard-step<N>``."""
+
+_WRITTEN_HERE: set[str] = set()
+"""The kept files and directories this process itself made (:func:`remember_kept`)."""
+
+
+def remember_kept(path: str) -> None:
+    """Record that this process made ``path`` (a kept file or directory): :func:`may_remove` may
+    later remove it wherever it lies."""
+    _WRITTEN_HERE.add(os.path.realpath(path))
+
+
+def may_remove(path: str, directory: str, *, written: frozenset[str] | set[str] = frozenset(),
+               is_link: bool = False) -> str | None:
+    """Pure: why sdcguard may NOT delete ``path`` when pruning the kept copies beside a checkpoint
+    saved in ``directory``, or None when it may. Paths come from manifests (``earlier_checkpoints``),
+    which anyone who can write a checkpoint's folder can edit, so a path is deleted only when it is
+    one this run itself kept (``written``: real paths), or it lies directly in ``directory`` and has
+    a kept name (:func:`kept_path`: ``<stem>.sdcguard-step<N><suffix>``) and is not a symbolic link
+    (``is_link``: what the file system says, given by the caller)."""
+    real = os.path.realpath(path)
+    if real in written and not is_link:
+        return None
+    if is_link:
+        return "it is a symbolic link"
+    if os.path.dirname(real) != os.path.realpath(directory):
+        return f"it is not in the checkpoint's directory {directory}"
+    if not _KEPT_NAME.fullmatch(os.path.basename(os.path.normpath(path))):
+        return "its name is not one sdcguard gives a kept checkpoint (<stem>.sdcguard-step<N><suffix>)"
+    return None
+
+
+def removable(paths: tuple[str, ...], directory: str) -> list[str]:
+    """The ``paths`` :func:`may_remove` lets a save in ``directory`` delete; each refused one is
+    left alone with a warning. What every deleter of kept checkpoints calls first."""
+    allowed = []
+    for path in paths:
+        why = may_remove(path, directory, written=_WRITTEN_HERE, is_link=os.path.islink(path))
+        if why is None:
+            allowed.append(path)
+        else:
+            logging.getLogger("sdcguard").warning(
+                "sdcguard: refusing to delete %s, which a checkpoint manifest lists as an earlier kept checkpoint: "
+                "%s; left alone", path, why)
+    return allowed
 
 
 @dataclass(frozen=True, slots=True)

@@ -144,7 +144,8 @@ class Step:
         # GradScaler (its overflow is confirmed by replay).
         buffers = self.buffers if self.audit or ctx.scaler is not None else None
         with self._exact(), ctx.forwards.recording(buffers, index):
-            with seeded(forward_seed(ctx.seed, self.step, ctx.layout.topology.rank, index), ctx.layout.device):
+            seed_rank = ctx.layout.seed_rank(ctx.layout.topology.rank)
+            with seeded(forward_seed(ctx.seed, self.step, seed_rank, index), ctx.layout.device):
                 yield record
         if not recorded:
             raise RuntimeError(f"sdcguard: step {self.step}: the forward of micro-batch {index} recorded no loss "
@@ -210,7 +211,8 @@ class Step:
 
     def payload(self) -> Payload:
         """What another rank needs to redo this rank's step."""
-        return Payload(self.step, self.ctx.layout.topology.rank, list(self.batches), list(self.buffers),
+        layout = self.ctx.layout
+        return Payload(self.step, layout.seed_rank(layout.topology.rank), list(self.batches), list(self.buffers),
                        list(self.weighting))
 
     def record(self) -> StepRecord:

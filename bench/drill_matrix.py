@@ -13,6 +13,8 @@ these) and exits 1 when a drill failed. Meshes:
   hsdp2x2  HSDP 2 replicas x 2 shards, 1 node x 4 ranks
   fsdp4    pure FSDP over 4 ranks, 4 nodes x 1 rank (the shard group spans the nodes)
   hsdp3x1  3 replicas of unsharded FSDP2 units, 3 nodes x 1 rank (no reduce-scatter)
+  tp3x2    tensor parallel over 2 ranks, 3 replicas of unsharded FSDP2 units, 3 nodes x 2 ranks (a TP
+           group per node)
 """
 import argparse
 import json
@@ -28,6 +30,7 @@ MESHES = {
     "hsdp2x2": ["--nodes", "1", "--ranks-per-node", "4", "--shard", "2", "--replicate", "2"],
     "fsdp4": ["--nodes", "4", "--ranks-per-node", "1", "--shard", "4", "--replicate", "1"],
     "hsdp3x1": ["--nodes", "3", "--ranks-per-node", "1", "--shard", "1", "--replicate", "3"],
+    "tp3x2": ["--nodes", "3", "--ranks-per-node", "2", "--tp", "2", "--replicate", "3"],
 }
 
 RUN = ["--steps", "18", "--audit-every", "2", "--weight-check-every", "1", "--micro-batches", "2",

@@ -1,7 +1,7 @@
 """False-alarm run for a sharded model: FSDP2 (HSDP by default) with check 2 on every step.
 
     .venv/bin/python bench/false_alarms_sharded.py [--steps 500] [--replicas 2] [--shards 2]
-                                                   [--ranks-per-node 2]
+                                                   [--tp 1] [--ranks-per-node 2]
 
 Launches itself under torchrun (gloo, CPU, one thread per rank): a tiny model (LayerNorm, GELU,
 dropout, an output layer with uneven shards) sharded with ``fully_shard`` per block and on the
@@ -10,8 +10,11 @@ ring's batches and compares every local gradient) and weight-checked (check 3 pe
 replicas), check 1 and 4 on every step. No fault is injected: any alarm, any NonFiniteGradient, any
 ReplayError is a false one. ``--ranks-per-node`` places the replicas on separate "nodes" (HSDP's
 usual layout: a shard group inside a node), so rank (i, j) replays the batch of (i + 1, j).
-``--replicas 1`` runs pure FSDP over ``--shards`` ranks. Prints the counts and the time check 2
-took per step against the step's own forward and backward.
+``--replicas 1`` runs pure FSDP over ``--shards`` ranks. ``--tp T`` makes each block's MLP tensor
+parallel over T consecutive ranks (``fc`` column-wise, ``proj`` row-wise, before ``fully_shard``
+over the data-parallel dimensions; a TP group trains on one batch, and its dropout after ``proj``
+draws one mask); place a TP group inside a node. Prints the counts and the time check 2 took per
+step against the step's own forward and backward.
 """
 import argparse
 import json
@@ -28,13 +31,14 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return _worker(args)
-    world = args.replicas * args.shards
+    world = args.replicas * args.shards * args.tp
     with tempfile.TemporaryDirectory() as tmp:
         started = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
@@ -47,6 +51,7 @@ def main() -> int:
         return 1
     r = reports[0]
     mesh = f"HSDP {args.replicas} x {args.shards}" if args.replicas > 1 else f"FSDP over {args.shards}"
+    mesh += f" x TP {args.tp}" if args.tp > 1 else ""
     print(f"mesh: {mesh} ({world} ranks, {args.ranks_per_node} per node)")
     print(f"steps completed: {r['steps']} of {args.steps}; audited (check 2): {r['audited']}; "
           f"last audited step {r['last_audited']}, last weights verified {r['last_weights']}")
@@ -101,14 +106,33 @@ def _worker(args: argparse.Namespace) -> int:
         x, y = batch
         return F.cross_entropy(module(x), y)
 
+    def clip(model: nn.Module, max_norm: float) -> None:
+        """clip_grad_norm_; with TP the parameters live on two meshes, whose norms torch cannot
+        stack: the total is taken over the full gradients (as torchtitan's clipping does per mesh)."""
+        if args.tp == 1:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            return
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        total = float(torch.stack([g.full_tensor().norm() for g in grads]).norm())
+        for g in grads:
+            g.mul_(min(1.0, max_norm / (total + 1e-6)))
+
     logging.basicConfig(level=logging.ERROR)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    shape = (args.replicas, args.shards) if args.replicas > 1 else (args.shards,)
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard") if len(shape) == 2 else ("shard",))
     torch.manual_seed(0)
     model = Net()
+    if args.tp > 1:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        full = init_device_mesh("cpu", (args.replicas, args.shards, args.tp), mesh_dim_names=("replicate", "shard", "tp"))
+        for block in model.blocks:
+            parallelize_module(block, full["tp"], {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+        mesh = full["replicate", "shard"]
+    else:
+        shape = (args.replicas, args.shards) if args.replicas > 1 else (args.shards,)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard") if len(shape) == 2 else ("shard",))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model.out, mesh=mesh)
@@ -120,7 +144,7 @@ def _worker(args: argparse.Namespace) -> int:
     backward_s = 0.0
     steps = 0
     for step in range(args.steps):
-        g = torch.Generator().manual_seed(7919 * step + 31 * rank)
+        g = torch.Generator().manual_seed(7919 * step + 31 * (rank // args.tp))  # a TP group: one batch
         micro = []
         for _ in range(args.micro_batches):
             x = torch.randn(8, 12, generator=g)
@@ -133,7 +157,7 @@ def _worker(args: argparse.Namespace) -> int:
                     s.backward(m, divide_by=len(micro))
                 backward_s += time.perf_counter() - began
                 s.check()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                clip(model, 1.0)
                 opt.step()
         except sdcguard.SDCDetected:
             counts["alarms"] += 1

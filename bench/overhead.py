@@ -1,6 +1,6 @@
 """Step-time overhead of sdcguard against plain DDP, and against the replay floor.
 
-    .venv/bin/python bench/overhead.py [--rounds 5] [--window 100] [--ranks 3] [--slice 10] [--sharded 2x2]
+    .venv/bin/python bench/overhead.py [--rounds 5] [--window 100] [--ranks 3] [--slice 10] [--sharded 2x2] [--tp 2]
 
 Launches 3 gloo ranks (one thread each) training bench/gpt.py's TinyGPT. Six configurations,
 each on its own DDP replica: plain DDP; plain DDP plus one 16-byte all-reduce between backward and
@@ -42,7 +42,7 @@ AUDIT_EVERY = {"audit every 100": 100, "audit every 10": 10, "step API, audit ev
 SYNC_ONLY = "plain + one 16 B sync"
 
 
-def worker(out: str, rounds: int, window: int, slice_steps: int, sharded: str | None = None) -> None:
+def worker(out: str, rounds: int, window: int, slice_steps: int, sharded: str | None = None, tp: int = 1) -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -57,7 +57,7 @@ def worker(out: str, rounds: int, window: int, slice_steps: int, sharded: str | 
     torch.set_num_threads(1)
     rank = dist.get_rank()
     if sharded:
-        configs, replay_like = _sharded_configs(sharded, rank)
+        configs, replay_like = _sharded_configs(sharded, rank, tp)
         _measure(out, configs, replay_like, rounds, window, slice_steps, baseline="plain FSDP2")
         return
 
@@ -142,9 +142,11 @@ def _measure(out, configs, replay_like, rounds, window, slice_steps, baseline):
     dist.destroy_process_group()
 
 
-def _sharded_configs(mesh_shape: str, rank: int):
+def _sharded_configs(mesh_shape: str, rank: int, tp: int = 1):
     """The sharded configurations, each on its own FSDP2 replica of TinyGPT, and the replay's
-    stand-in (the whole mesh's forward+backward, all-gathers included, reducing nothing)."""
+    stand-in (the whole mesh's forward+backward, all-gathers included, reducing nothing). With
+    ``tp`` > 1 each block's MLP is tensor parallel over ``tp`` consecutive ranks (``mlp.0``
+    column-wise, ``mlp.2`` row-wise, before ``fully_shard``); a TP group trains on one batch."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -157,21 +159,30 @@ def _sharded_configs(mesh_shape: str, rank: int):
     from sdcguard.checks.rng import forward_seed, seeded
 
     replicas, shards = (int(x) for x in mesh_shape.lower().split("x"))
-    mesh = (init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard")) if replicas > 1
-            else init_device_mesh("cpu", (shards,), mesh_dim_names=("shard",)))
+    full = None
+    if tp > 1:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        full = init_device_mesh("cpu", (replicas, shards, tp), mesh_dim_names=("replicate", "shard", "tp"))
+        mesh = full["replicate", "shard"]
+    else:
+        mesh = (init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard")) if replicas > 1
+                else init_device_mesh("cpu", (shards,), mesh_dim_names=("shard",)))
+    data_rank, seed_rank = rank // tp, rank - rank % tp  # a TP group: one batch, one dropout mask
 
     def replica():
         torch.manual_seed(0)
         module = TinyGPT()
         for block in module.blocks:
+            if full is not None:
+                parallelize_module(block, full["tp"], {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
             fully_shard(block, mesh=mesh)
         fully_shard(module, mesh=mesh)
         return module, torch.optim.AdamW(module.parameters(), lr=1e-3)
 
     def plain_step(model, opt, step, sync=False):
         opt.zero_grad(set_to_none=True)
-        with seeded(forward_seed(0, step, rank, 0), torch.device("cpu")):
-            loss = lm_loss(model, lm_batch(step, rank))
+        with seeded(forward_seed(0, step, seed_rank, 0), torch.device("cpu")):
+            loss = lm_loss(model, lm_batch(step, data_rank))
         loss.backward()
         if sync:
             dist.all_reduce(torch.zeros(2, dtype=torch.float64))
@@ -183,11 +194,12 @@ def _sharded_configs(mesh_shape: str, rank: int):
         configs[name] = lambda step, m=model, o=opt, s=sync: plain_step(m, o, step, s)
     for name, audit in (("checks 1+3+4 (no audit)", 0), ("audit every 10 (step API)", 10)):
         model, opt = replica()
-        guard = sdcguard.Guard(model, opt, lm_loss, config=sdcguard.Config(audit_every=audit, weight_check_every=100))
+        guard = sdcguard.Guard(model, opt, lm_loss, config=sdcguard.Config(audit_every=audit, weight_check_every=100,
+                                                                            ranks_per_node=tp))
 
         def step_api(step, g=guard, o=opt):
             with g.step(step) as s:
-                s.backward(lm_batch(step, rank))
+                s.backward(lm_batch(step, data_rank))
                 s.check()
                 o.step()
                 o.zero_grad(set_to_none=True)
@@ -196,8 +208,8 @@ def _sharded_configs(mesh_shape: str, rank: int):
     bare.set_requires_gradient_sync(False)  # what a replay costs: forward + backward, nothing reduced
 
     def replay_like(step):
-        with seeded(forward_seed(0, step, rank, 0), torch.device("cpu")):
-            loss = lm_loss(bare, lm_batch(step, rank))
+        with seeded(forward_seed(0, step, seed_rank, 0), torch.device("cpu")):
+            loss = lm_loss(bare, lm_batch(step, data_rank))
         loss.backward()
     return configs, replay_like
 
@@ -210,16 +222,20 @@ def main() -> int:
     parser.add_argument("--slice", type=int, default=10, help="steps of one configuration before the next takes its turn")
     parser.add_argument("--sharded", metavar="RxS",
                         help="FSDP2 over an R x S (replicate, shard) mesh on R*S ranks instead of DDP (1xS: pure FSDP)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="with --sharded: each block's MLP tensor parallel over T consecutive ranks (R*S*T ranks)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.tp > 1 and not args.sharded:
+        parser.error("--tp needs --sharded RxS (tensor parallelism under FSDP2 over the data-parallel mesh)")
     if args.worker:
-        worker(args.worker, args.rounds, args.window, args.slice, args.sharded)
+        worker(args.worker, args.rounds, args.window, args.slice, args.sharded, args.tp)
         return 0
     ranks = args.ranks
     extra = []
     if args.sharded:
         replicas, shards = (int(x) for x in args.sharded.lower().split("x"))
-        ranks, extra = replicas * shards, ["--sharded", args.sharded]
+        ranks, extra = replicas * shards * args.tp, ["--sharded", args.sharded, "--tp", str(args.tp)]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "result.json")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -231,6 +247,7 @@ def main() -> int:
     means, replays, baseline = result["means"], result["replay"], result["baseline"]
     plain = means[baseline]
     model = f"TinyGPT, FSDP2 mesh {args.sharded} (fully_shard per block and root)" if args.sharded else "TinyGPT"
+    model += f", each block's MLP tensor parallel over {args.tp} ranks" if args.tp > 1 else ""
     print(f"{ranks} gloo ranks, 1 thread each, {model}; {args.rounds} rounds x {args.window} steps per "
           f"configuration, interleaved {args.slice} steps at a time")
     print(f"{baseline} step {statistics.median(plain) * 1e3:.1f} ms; replay (forward+backward) "

@@ -8,7 +8,10 @@ when the operator starts — and again by a timer, so that a deleted or altered 
 The operator never reads the Secret: it creates it, and on 409 (it exists) merge-patches the same
 content over it. The content is a pure function of the job, so writing it again changes nothing;
 a Secret left by an earlier job of the same name (another uid), or a key written by someone else,
-is overwritten with the current job's key and owner.
+is overwritten with the current job's key and owner. One that cannot be overwritten — pre-created
+``immutable`` (422), or of a type the admission policy forbids the operator to write — or that the
+patch answer shows is not an Opaque, mutable Secret, is deleted and created anew (a Warning Event
+``ForeignObjectReplaced`` on the job): an attacker's key never stays in the sidecar.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import base64
 import logging
 from collections.abc import Mapping
 from typing import Any
+
+import kopf
 
 from sdcguard.contract import names
 
@@ -38,8 +43,38 @@ def manifest(job: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
     }
 
 
+def foreign(stored: Any) -> str | None:
+    """Why the Secret the patch answered with is not the operator's to keep, or None."""
+    if stored is None:
+        return None
+    if getattr(stored, "immutable", None):
+        return "it is immutable"
+    if getattr(stored, "type", "Opaque") not in (None, "Opaque"):
+        return f"its type is {stored.type}"
+    return None
+
+
+def _replace(job: Mapping[str, Any], body: dict[str, Any], why: str,
+             logger: logging.Logger | logging.LoggerAdapter) -> str:
+    """Delete a key Secret the operator may not keep and create its own; "replaced"."""
+    meta = job["metadata"]
+    name = body["metadata"]["name"]
+    try:
+        kube.core().delete_namespaced_secret(name, meta["namespace"])
+    except Exception as exc:
+        if not kube.not_found(exc):
+            raise
+    kube.core().create_namespaced_secret(meta["namespace"], body)  # a 409 (re-created meanwhile): retried by kopf
+    message = f"alarm key Secret {meta['namespace']}/{name} replaced: {why} (not one the operator may adopt)"
+    logger.warning(message)
+    kopf.event(dict(job), type="Warning", reason="ForeignObjectReplaced", message=message)
+    metrics.ALARM_KEYS.inc()
+    return "replaced"
+
+
 def ensure(job: Mapping[str, Any], settings: Settings, logger: logging.Logger | logging.LoggerAdapter) -> str:
-    """Write the job's key Secret; returns "created" or "written" (it existed: same content put over it)."""
+    """Write the job's key Secret; returns "created", "written" (it existed: same content put over it)
+    or "replaced" (one the operator may not keep was deleted and created anew)."""
     meta = job["metadata"]
     body = manifest(job, settings)
     try:
@@ -47,10 +82,18 @@ def ensure(job: Mapping[str, Any], settings: Settings, logger: logging.Logger | 
     except Exception as exc:
         if not kube.conflict(exc):
             raise
-        kube.core().patch_namespaced_secret(body["metadata"]["name"], meta["namespace"],
-                                            {"metadata": {"ownerReferences": body["metadata"]["ownerReferences"],
-                                                          "labels": body["metadata"]["labels"]},
-                                             "data": body["data"]})
+        try:
+            stored = kube.core().patch_namespaced_secret(
+                body["metadata"]["name"], meta["namespace"],
+                {"metadata": {"ownerReferences": body["metadata"]["ownerReferences"],
+                              "labels": body["metadata"]["labels"]}, "data": body["data"]})
+        except Exception as exc:
+            if kube.transient(exc) or kube.not_found(exc) or not hasattr(exc, "status"):
+                raise
+            return _replace(job, body, f"the key could not be written over it (HTTP {exc.status})", logger)
+        why = foreign(stored)
+        if why:
+            return _replace(job, body, why, logger)
         return "written"
     metrics.ALARM_KEYS.inc()
     logger.info(f"alarm key Secret {meta['namespace']}/{body['metadata']['name']} created")

@@ -38,6 +38,28 @@ def suspend_job(job: dict[str, str]) -> bool:
     return True
 
 
+SHARED_IGNORED_NAMESPACES = ("kube-system",)
+
+
+def other_namespaces(node_name: str, namespace: str, settings: Settings) -> set[str]:
+    """The namespaces, other than ``namespace``, whose pods run on the node (finished pods, DaemonSet
+    pods and kube-system's aside: every node runs those). A suspect node shared with another team
+    is not cordoned on one tenant's alarm (docs/design.md §9)."""
+    pods = kube.core().list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node_name}").items
+    others = set()
+    for pod in pods:  # the selector is applied here too (not every API emulator applies it)
+        if pod.spec is None or pod.spec.node_name != node_name:
+            continue
+        if pod.metadata.namespace in (namespace, *SHARED_IGNORED_NAMESPACES, ledger_namespace(settings)):
+            continue
+        if pod.status is not None and pod.status.phase in ("Succeeded", "Failed"):
+            continue
+        if any(ref.kind == "DaemonSet" and ref.controller for ref in pod.metadata.owner_references or []):
+            continue
+        others.add(pod.metadata.namespace)
+    return others
+
+
 def suspect_nodes() -> list[str]:
     """Nodes labelled suspect (the API server applies the label selector)."""
     return [n.metadata.name for n in kube.core().list_node(label_selector=f"{names.SUSPECT_LABEL}=true").items]

@@ -226,6 +226,7 @@ def reconcile(body: dict[str, Any], settings: Settings) -> None:
     """
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     ref = f"{namespace}/{name}"
+    replacement.install_seal(settings)
     body = kube.get_incident(namespace, name)
     spec = body["spec"]
     status = body.get("status") or {}
@@ -299,6 +300,8 @@ def follow(ref: str, replacement_body: dict[str, Any]) -> None:
     phase = status.get("phase")
     if not phase:
         return
+    if not replacement.status_sealed(replacement_body):
+        return  # a phase (and message) the operator did not write: never taken into an incident
     name = replacement_body["metadata"]["name"]
     entry = next((e for e in reversed(status.get("timeline") or []) if e.get("phase") == phase), None)
     event, message = (f"Replacement{entry['event']}", f"{name}: {entry.get('message', '')}") if entry else ("", "")
@@ -373,6 +376,17 @@ def _cordon_all(namespace: str, name: str, ref: str, spec: dict[str, Any], statu
             _record(namespace, name, "SuspectRefused", f"{node} is not cordoned: {problem}",
                     nodes={node: {"refused": problem[:500]}}, only_if=_node_unset(node, "refused"))
             continue
+        if not settings.allow_shared_nodes:
+            shared = contain.other_namespaces(node, namespace, settings)
+            if shared:
+                text = (f"{node} is not cordoned: it also runs pods of {len(shared)} other namespace(s); one "
+                        "tenant's alarm does not take a shared node out of service. A person decides (cordon it "
+                        "yourself, or set SDCGUARD_ALLOW_SHARED_NODES on a single-tenant cluster)")
+                metrics.INCIDENTS_REFUSED.labels("SharedNode").inc()
+                _record(namespace, name, "SharedNode", text, nodes={node: {"refused": "SharedNode"}},
+                        only_if=_node_unset(node, "refused"),
+                        conditions=[kube.condition("SharedNode", True, "OtherNamespaces", text)])
+                continue
         outcome = contain.cordon(node, ref, spec["job"]["name"], settings)
         if outcome.startswith("Max"):
             held.append((node, outcome))

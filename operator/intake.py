@@ -16,27 +16,70 @@ records each alarm Event once.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Any
 
 import kopf
 
 from sdcguard.contract import names
+from sdcguard.contract.text import strip_format_characters
 
 from . import incident, kube, ledger, metrics, signature_check, validate
 from .settings import Settings
 
 
-def receive(event: dict[str, Any], settings: Settings, logger: logging.Logger | logging.LoggerAdapter) -> str:
-    """The alarm Event handler's work: handle the Event and record the outcome on it; returns it."""
-    return record(event, handle(event, settings, logger))
+def receive(event: dict[str, Any], settings: Settings, logger: logging.Logger | logging.LoggerAdapter,
+            final: bool = True) -> str:
+    """The alarm Event handler's work: handle the Event and record the outcome on it; returns it.
+    ``final``: kopf will not try again (its last retry), so a transient failure is a rejection too."""
+    return record(event, handle(event, settings, logger, final=final))
 
 
-def handle(event: dict[str, Any], settings: Settings, logger: logging.Logger | logging.LoggerAdapter) -> str:
-    """Process one alarm Event; returns the outcome ("incident:<name>", "joined:<name>", "rejected:<reason>")."""
+def handle(event: dict[str, Any], settings: Settings, logger: logging.Logger | logging.LoggerAdapter,
+           final: bool = True) -> str:
+    """Process one alarm Event; returns the outcome ("incident:<name>", "joined:<name>", "rejected:<reason>").
+
+    Never a silent drop: a failure that is not a rejection — a crafted record the checks did not
+    foresee, an object the operator cannot write — becomes the rejection ``IntakeError`` (counted,
+    logged, a Warning Event, the ``SdcguardAlarmsRejected`` alert); only a transient API error is
+    raised for kopf to retry, and on kopf's last try it is an ``IntakeError`` as well."""
     recorded = (event["metadata"].get("annotations") or {}).get(names.INTAKE_ANNOTATION)
     if recorded:
         return recorded
-    return _handle(event, settings, logger)
+    try:
+        return _handle(event, settings, logger)
+    except Exception as exc:  # noqa: BLE001 - every failure ends as a counted rejection or a retry
+        if kube.transient(exc) and not final:
+            raise
+        return _reject(event, settings, logger, validate.Rejected(
+            "IntakeError", f"handling failed ({type(exc).__name__}: {str(exc)[:300]})"))
+
+
+class RateLimiter:
+    """A token bucket per namespace: ``rate_per_minute`` Events, ``burst`` at once (in memory: a
+    restarted or new leader starts with full buckets)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self.reported: dict[str, float] = {}
+
+    def allow(self, namespace: str, settings: Settings, now: float | None = None) -> bool:
+        if not settings.alarm_rate_per_minute:
+            return True
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            tokens, then = self._buckets.get(namespace, (float(settings.alarm_burst), now))
+            tokens = min(float(settings.alarm_burst), tokens + (now - then) * settings.alarm_rate_per_minute / 60.0)
+            allowed = tokens >= 1.0
+            self._buckets[namespace] = (tokens - 1.0 if allowed else tokens, now)
+            if len(self._buckets) > 4096:  # forget namespaces whose buckets are full again
+                self._buckets = {k: v for k, v in self._buckets.items() if now - v[1] < 3600}
+            return allowed
+
+
+LIMITER = RateLimiter()
 
 
 def record(event: dict[str, Any], outcome: str) -> str:
@@ -53,6 +96,11 @@ def record(event: dict[str, Any], outcome: str) -> str:
 def _handle(event: dict[str, Any], settings: Settings, logger: logging.Logger | logging.LoggerAdapter) -> str:
     event_name = event["metadata"]["name"]
     try:
+        namespace = event["metadata"].get("namespace") or ""
+        if not LIMITER.allow(namespace, settings):
+            raise validate.Rejected("RateLimited", f"namespace {namespace} posted more than "
+                                    f"{settings.alarm_rate_per_minute:g} alarm Events a minute (burst "
+                                    f"{settings.alarm_burst}; SDCGUARD_ALARM_RATE_PER_MINUTE)")
         signature = signature_check.presented(event, settings, logger)
         record = validate.parse(event, settings)
         text = validate.annotation(event)
@@ -75,18 +123,52 @@ def _handle(event: dict[str, Any], settings: Settings, logger: logging.Logger | 
             raise validate.Rejected("ReplayedAlarm", f"alarm id {record['id']} was handled before (ledger "
                                     f"{namespace}/{ledger.ledger_name(record['job']['name'])}); it counts once")
         validate.check_pods(record, job_uid, settings)
+        _check_incident_cap(namespace, record, job_uid, settings)
         name, created = incident.open_or_join(record, event_name, text, signature, job_uid, settings)
         if not created:
             _check_ours(incident.find(namespace, name) or {}, settings)
     except validate.Rejected as rejected:
-        metrics.ALARMS_REJECTED.labels(rejected.reason).inc()
-        logger.warning(f"alarm Event {event_name} rejected: {rejected.reason}: {rejected.message}")
-        kopf.event(_report_target(event, settings), type="Warning", reason="AlarmRejected",
-                   message=f"alarm Event {event_name} rejected ({rejected.reason}): {rejected.message}"[:1000])
-        return f"rejected:{rejected.reason}"
+        return _reject(event, settings, logger, rejected)
     metrics.ALARMS_ACCEPTED.labels("new" if created else "duplicate").inc()
     logger.info(f"alarm {record['id']} -> incident {namespace}/{name} ({'new' if created else 'joined'})")
     return f"{'incident' if created else 'joined'}:{name}"
+
+
+def _reject(event: dict[str, Any], settings: Settings, logger: logging.Logger | logging.LoggerAdapter,
+            rejected: validate.Rejected) -> str:
+    """Count, log and report a rejection (a Warning Event; for ``RateLimited`` at most one a minute
+    per namespace, so a flood does not become a flood of the operator's Events)."""
+    event_name = event["metadata"]["name"]
+    message = strip_format_characters(rejected.message)
+    metrics.ALARMS_REJECTED.labels(rejected.reason).inc()
+    logger.warning(f"alarm Event {event_name} rejected: {rejected.reason}: {message}")
+    namespace = event["metadata"].get("namespace") or ""
+    now = time.monotonic()
+    if rejected.reason != "RateLimited" or now - LIMITER.reported.get(namespace, -120.0) >= 60.0:
+        if rejected.reason == "RateLimited":
+            LIMITER.reported[namespace] = now
+        try:
+            kopf.event(_report_target(event, settings), type="Warning", reason="AlarmRejected",
+                       message=f"alarm Event {event_name} rejected ({rejected.reason}): {message}"[:1000])
+        except Exception as exc:  # noqa: BLE001 - the rejection is counted and logged already
+            logger.warning(f"could not post the rejection Event: {exc}")
+    return f"rejected:{rejected.reason}"
+
+
+def _check_incident_cap(namespace: str, record: dict[str, Any], job_uid: str, settings: Settings) -> None:
+    """A job instance may open at most ``max_incidents_per_job`` SDCIncidents (a new fault past it is
+    rejected; the label selector is applied here too, the emulator ignores it)."""
+    if not settings.max_incidents_per_job:
+        return
+    job = record["job"]["name"]
+    items = kube.custom().list_namespaced_custom_object(
+        names.GROUP, names.VERSION, namespace, names.INCIDENTS,
+        label_selector=f"{names.INCIDENT_JOB_LABEL}={job[:63]}").get("items") or []
+    mine = [i for i in items if (i.get("spec") or {}).get("jobUid") == job_uid
+            and ((i.get("metadata") or {}).get("labels") or {}).get(names.INCIDENT_JOB_LABEL) == job[:63]]
+    if len(mine) >= settings.max_incidents_per_job:
+        raise validate.Rejected("TooManyIncidents", f"{names.JOB_KIND} {job} (uid {job_uid}) already has "
+                                f"{len(mine)} SDCIncidents (SDCGUARD_MAX_INCIDENTS_PER_JOB)")
 
 
 def _check_ours(body: dict[str, Any], settings: Settings) -> None:

@@ -129,19 +129,101 @@ def _patch_status(plural: str, namespace: str | None, name: str, resource_versio
     return custom().patch_cluster_custom_object_status(names.GROUP, names.VERSION, plural, name, body)
 
 
+class StatusSeal:
+    """The operator's seal on what it writes into an object's status (``status.seal``): an HMAC
+    (``mac(name, canonical status)``) over every status field but ``conditions`` and the seal
+    itself. Anyone with ``/status`` rights can write a status; nobody without the master key can
+    seal one. Installed per plural (:data:`SEALS`) by the module that owns the object."""
+
+    UNSEALED = ("conditions", "seal")
+
+    def __init__(self, mac: Callable[[str, str], str]) -> None:
+        self._mac = mac
+
+    @staticmethod
+    def canonical(status: dict[str, Any]) -> str:
+        import json
+        covered = {k: v for k, v in status.items() if k not in StatusSeal.UNSEALED}
+        return json.dumps(_without_nulls(covered), sort_keys=True, separators=(",", ":"))
+
+    def make(self, name: str, status: dict[str, Any]) -> str:
+        return self._mac(name, self.canonical(status))
+
+    def valid(self, name: str, status: dict[str, Any]) -> bool:
+        """A status the operator sealed as it is, or one it has not written yet (nothing but conditions)."""
+        import hmac
+        if not any(k not in StatusSeal.UNSEALED for k in status) and not status.get("seal"):
+            return True
+        return isinstance(status.get("seal"), str) and hmac.compare_digest(status["seal"], self.make(name, status))
+
+
+SEALS: dict[str, StatusSeal] = {}
+"""plural -> the seal every status write of that plural carries (cluster-scoped objects: the name)."""
+
+
+class StatusNotSealed(Exception):
+    """The status was written by someone else than the operator: not acted on, not written over."""
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch: what the API server stores for ``target`` patched with ``patch``."""
+    if not isinstance(patch, dict):
+        return patch
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+def sealed_status(plural: str, name: str, status: dict[str, Any]) -> bool:
+    """Whether ``status`` is as the operator sealed it (always true for an unsealed plural)."""
+    seal = SEALS.get(plural)
+    return seal is None or seal.valid(name, status)
+
+
+def _sealed_patch(plural: str, name: str, status: dict[str, Any], patch: dict[str, Any],
+                  unsealed: bool) -> dict[str, Any]:
+    seal = SEALS.get(plural)
+    if seal is None:
+        return patch
+    if unsealed:  # a marker (conditions only) on a status that may not be sealed: the seal is not renewed
+        extra = [k for k in patch if k not in StatusSeal.UNSEALED]
+        if extra:
+            raise ValueError(f"an unsealed write may only set conditions, not {extra}")
+        return patch
+    if not seal.valid(name, status):
+        raise StatusNotSealed(f"{plural}/{name}: the status does not carry the operator's seal (written by "
+                              "someone else): not acted on, not written over")
+    return {**patch, "seal": seal.make(name, merge_patch(status, patch))}
+
+
 def update_status(plural: str, namespace: str | None, name: str,
-                  change: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+                  change: Callable[[dict[str, Any]], dict[str, Any]], unsealed: bool = False) -> dict[str, Any]:
     """Read the object, compute a status patch from its current status, apply it (merge patch)
     conditional on the resourceVersion read; on 409, read again and recompute.
 
     ``change`` must be a function of the status it is given (it may be called several times).
     Merge patches replace lists whole, so appends (timeline, duplicates) are only safe this way.
+    A sealed plural (:data:`SEALS`): the status read must carry the operator's seal
+    (:class:`StatusNotSealed` otherwise) and the patch renews it, unless ``unsealed`` (conditions only).
     """
     for _ in range(CONFLICT_RETRIES):
         body = _get(plural, namespace, name)
         patch = change(body.get("status") or {})
         if not patch:
             return body
+        patch = _sealed_patch(plural, name, body.get("status") or {}, patch, unsealed)
         try:
             return _patch_status(plural, namespace, name, body["metadata"].get("resourceVersion"), patch)
         except kubernetes.client.ApiException as exc:
@@ -158,6 +240,7 @@ def claim(plural: str, namespace: str | None, name: str, still: Callable[[dict[s
     body = _get(plural, namespace, name)
     if not still(body.get("status") or {}):
         return None
+    patch = _sealed_patch(plural, name, body.get("status") or {}, patch, False)
     try:
         return _patch_status(plural, namespace, name, body["metadata"].get("resourceVersion"), patch)
     except kubernetes.client.ApiException as exc:
@@ -168,7 +251,7 @@ def claim(plural: str, namespace: str | None, name: str, still: Callable[[dict[s
 
 def record(plural: str, namespace: str | None, name: str, event: str | None = None, message: str = "",
            conditions: list[dict[str, str]] | None = None, only_if: Callable[[dict[str, Any]], bool] | None = None,
-           **status: Any) -> dict[str, Any]:
+           unsealed: bool = False, **status: Any) -> dict[str, Any]:
     """Write one transition into an object's status: fields, conditions and a timeline entry.
 
     ``only_if(current status)``: write nothing unless it holds on the version the write is
@@ -185,7 +268,7 @@ def record(plural: str, namespace: str | None, name: str, event: str | None = No
                 entry["phase"] = status["phase"]  # what an incident following this one reads (incident.follow)
             patch["timeline"] = list(current.get("timeline", [])) + [entry]
         return patch
-    return update_status(plural, namespace, name, change)
+    return update_status(plural, namespace, name, change, unsealed=unsealed)
 
 
 def is_true(status: dict[str, Any], type_: str) -> bool:

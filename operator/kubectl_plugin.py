@@ -33,6 +33,7 @@ from typing import Any
 
 from sdcguard.contract import names
 from sdcguard.contract.phases import Decision, ReplacementPhase
+from sdcguard.contract.text import strip_format_characters
 
 
 class PluginError(Exception):
@@ -44,10 +45,11 @@ _CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 def clean(text: Any) -> str:
-    """``text`` without terminal escape sequences (ANSI CSI/OSC, C1) and control characters (tabs
-    and newlines kept): what an alarm or an object carries can never rewrite the screen a person
-    approves from. Everything the plugin prints passes through here."""
-    return _CONTROLS.sub("", _ESCAPES.sub("", str(text)))
+    """``text`` without terminal escape sequences (ANSI CSI/OSC, C1), control characters (tabs
+    and newlines kept) and Unicode format characters (U+202E and the like: they reorder what is
+    shown): what an alarm or an object carries can never rewrite the screen a person approves
+    from. Everything the plugin prints passes through here."""
+    return strip_format_characters(_CONTROLS.sub("", _ESCAPES.sub("", str(text))))
 
 
 def _one_line(text: Any) -> str:
@@ -66,8 +68,41 @@ def kubectl(*args: str) -> str:
     return result.stdout
 
 
+UNSEALED = "unsealed status"
+"""What the plugin shows instead of a NodeReplacement's phase or health check when the status is not
+the operator's record: no ``status.seal`` (written by someone else), or the operator found its seal
+broken (condition ``StatusSealed=False``). The plugin holds no key and cannot check a seal itself."""
+
+
+def sealed(body: dict[str, Any]) -> bool:
+    """Whether the NodeReplacement's status may be shown as the operator's record."""
+    status = body.get("status") or {}
+    if any(c.get("type") == "StatusSealed" and c.get("status") == "False" for c in status.get("conditions") or []):
+        return False
+    return bool(status.get("seal")) or not any(k not in ("conditions", "seal") for k in status)
+
+
+def shown_phase(body: dict[str, Any]) -> str | None:
+    """The phase as the operator recorded it, or :data:`UNSEALED`."""
+    return (body.get("status") or {}).get("phase") if sealed(body) else UNSEALED
+
+
+def health_check(body: dict[str, Any]) -> str:
+    """``Failed: <message>`` as the operator recorded the deep health check, or :data:`UNSEALED`."""
+    if not sealed(body):
+        return UNSEALED
+    check = (body.get("status") or {}).get("healthCheck") or {}
+    if not check.get("result"):
+        return "-"
+    return f"{check['result']}" + (f": {check['message']}" if check.get("message") else "")
+
+
 def decide(name: str, decision: str, reason: str) -> str:
     body = json.loads(kubectl("get", names.REPLACEMENTS, name, "-o", "json"))
+    if decision == Decision.APPROVED and not sealed(body):
+        raise PluginError(f"nodereplacement {name}: {UNSEALED}: its phase and health check were not written by the "
+                          "sdcguard operator (a /status write?); not approving what it shows. Deny it, or look "
+                          "at the incident's evidence and the operator's logs")
     already = ((body.get("status") or {}).get("decision") or {}).get("decision") or (body.get("spec") or {}).get("decision")
     if already:
         raise PluginError(f"nodereplacement {name} is already {already}: decisions are final")
@@ -82,9 +117,9 @@ def release(node: str, reason: str) -> str:
     """Give the storm-guard slot of NODE's Failed NodeReplacement back (recorded: who, when, why)."""
     items = json.loads(kubectl("get", names.REPLACEMENTS, "-o", "json")).get("items") or []
     mine = [i for i in items if (i.get("spec") or {}).get("nodeName") == node]
-    failed = [i for i in mine if (i.get("status") or {}).get("phase") == ReplacementPhase.FAILED]
+    failed = [i for i in mine if shown_phase(i) == ReplacementPhase.FAILED]
     if not failed:
-        phases = ", ".join(f"{i['metadata']['name']}: {(i.get('status') or {}).get('phase')}" for i in mine)
+        phases = ", ".join(f"{i['metadata']['name']}: {shown_phase(i)}" for i in mine)
         raise PluginError(f"node {node} has no Failed NodeReplacement ({phases or 'none at all'}); only a failed "
                           "replacement holds its slot until released (denied and replaced ones give it back)")
     done = []

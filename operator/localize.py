@@ -31,7 +31,7 @@ class NotLocalized(Exception):
 
 def instance_from_names(node_name: str, provider_id: str | None) -> tuple[str, str] | None:
     """(instance id, source) from the node's name or providerID alone, without AWS calls."""
-    match = HYPERPOD_NODE.match(node_name)
+    match = HYPERPOD_NODE.fullmatch(node_name)
     if match:
         return match.group(1), "node-name"
     tail = (provider_id or "").rsplit("/", 1)[-1]

@@ -140,6 +140,7 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, *, handlers_to
 
 def _register_handlers(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     on = kopf.on
+    replacement.install_seal(settings)  # every NodeReplacement status write is sealed, every read checked
 
     def wants_key(annotations: kopf.Annotations, namespace: str | None, **_: Any) -> bool:
         return validate.job_enabled(annotations) and (not settings.namespaces or namespace in settings.namespaces)
@@ -157,9 +158,12 @@ def _register_handlers(registry: kopf.OperatorRegistry, settings: Settings) -> N
         """A key Secret deleted while its job lives is recreated (the job itself may never change)."""
         alarm_keys.ensure(dict(body), settings, logger)
 
-    @on.create("v1", "events", registry=registry, id="alarm_event", backoff=settings.retry_seconds, retries=20)
-    def alarm_event(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
-        patch.metadata.annotations[names.INTAKE_ANNOTATION] = intake.receive(dict(body), settings, logger)
+    @on.create("v1", "events", registry=registry, id="alarm_event", backoff=settings.retry_seconds,
+               retries=settings.intake_retries)
+    def alarm_event(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, retry: int = 0, **_: Any) -> None:
+        """The last try turns a still-failing Event into a counted rejection (never a silent drop)."""
+        patch.metadata.annotations[names.INTAKE_ANNOTATION] = intake.receive(
+            dict(body), settings, logger, final=retry >= settings.intake_retries - 1)
 
     def incident_contain(body: kopf.Body, **_: Any) -> None:
         incident.reconcile(dict(body), settings)
@@ -190,6 +194,7 @@ def _register_handlers(registry: kopf.OperatorRegistry, settings: Settings) -> N
     def replacement_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
         """The incidents a NodeReplacement serves read its phase (the replacement never writes them)."""
         if type != "DELETED":
+            replacement.check_seal(dict(body), settings)
             incident.replacement_changed(dict(body))
 
 
@@ -202,6 +207,16 @@ def _register_webhooks(registry: kopf.OperatorRegistry, settings: Settings) -> N
                          userinfo: Mapping[str, Any] | None = None, **_: Any) -> None:
         """Admission of a pod of a Kubeflow job (never blocks it: ``ignore_failures``)."""
         await pods.admit(dict(body), userinfo or {}, patch, warnings, logger)
+
+    @kopf.on.validate("", "v1", "pods", subresource="ephemeralcontainers", registry=registry,
+                      id=names.EPHEMERAL_WEBHOOK_ID, operations=["UPDATE"], side_effects=False)
+    async def ephemeral_containers(body: kopf.Body, old: kopf.Body | None, **_: Any) -> None:
+        """``kubectl debug``: an ephemeral container may not mount or read an alarm key (the chart
+        registers this one fail closed; the key is the sidecar's alone, docs/design.md §9)."""
+        problems = pod_mutation.ephemeral_key_references(dict(body), dict(old) if old else None)
+        if problems:
+            raise kopf.AdmissionError("sdcguard: " + "; ".join(problems) + ": only the sdcguard sidecar may read "
+                                      "the job's alarm key", code=403)
 
     @kopf.on.mutate(names.GROUP, names.VERSION, names.REPLACEMENTS, registry=registry, id=admission.HANDLER_ID,
                     operations=["CREATE", "UPDATE"], side_effects=False)

@@ -34,7 +34,13 @@ class SidecarSettings:
     memory_limit: str = "128Mi"
     job_controllers: tuple[str, ...] = ()
     """SDCGUARD_JOB_CONTROLLER_USERS: users allowed to create the pods that get the sidecar (the
-    training operator's service account); empty: not checked (the ownerReference decides)."""
+    training operator's service account; the chart's default is Kubeflow's
+    ``system:serviceaccount:kubeflow:training-operator``). Empty: no pod gets the sidecar, unless
+    ``allow_any_job_controller`` says explicitly that the ownerReference alone decides."""
+    allow_any_job_controller: bool = False
+    """SDCGUARD_ALLOW_ANY_JOB_CONTROLLER: with no job controller configured, inject into any pod whose
+    controlling ownerReference is the enabled job (an ownerReference can be forged by anyone who may
+    create pods in the namespace and read the job's uid: the victim job's key goes with the sidecar)."""
     grace_seconds: int = 90
     """The pod's terminationGracePeriodSeconds is raised to at least this (never lowered): the
     training process waits up to 30 s for the sidecar to confirm an alarm, and the sidecar then
@@ -56,6 +62,11 @@ class SidecarSettings:
         if env.get("SDCGUARD_JOB_CONTROLLER_USERS"):
             values["job_controllers"] = tuple(u.strip() for u in env["SDCGUARD_JOB_CONTROLLER_USERS"].split(",")
                                               if u.strip())
+        allow = str(env.get("SDCGUARD_ALLOW_ANY_JOB_CONTROLLER") or "false").strip().lower()
+        if allow not in ("true", "false"):
+            raise ValueError(f"SDCGUARD_ALLOW_ANY_JOB_CONTROLLER must be true or false, got "
+                             f"{env['SDCGUARD_ALLOW_ANY_JOB_CONTROLLER']!r}")
+        values["allow_any_job_controller"] = allow == "true"
         return cls(**values)
 
 
@@ -83,7 +94,7 @@ def plan(job_name: str, annotations: Mapping[str, str]) -> tuple[Plan | None, li
         if key not in annotations:
             continue
         raw = str(annotations[key]).strip()
-        if _DECIMAL.match(raw):
+        if _DECIMAL.fullmatch(raw):
             result.settings_env[var] = str(int(raw))
         else:
             warnings.append(f"sdcguard: {key}={annotations[key]!r} is not an integer >= 0; "
@@ -140,7 +151,8 @@ def mutated(pod: Mapping[str, Any], job_annotations: Mapping[str, str] | None,
     pod gets no sidecar and so no key (docs/design.md §9). With ``SidecarSettings.job_controllers`` set, the
     pod must also be created by one of those users (the training operator's service account, as
     the API server authenticated the request: ``creator``): an ownerReference can be written by
-    anyone who may create pods and read the job's uid."""
+    anyone who may create pods and read the job's uid. With none configured the pod gets no sidecar
+    unless ``SidecarSettings.allow_any_job_controller`` says so explicitly."""
     result = copy.deepcopy(dict(pod))
     warnings = strip_key_references(result)
     changed = result != pod
@@ -153,6 +165,11 @@ def mutated(pod: Mapping[str, Any], job_annotations: Mapping[str, str] | None,
         warnings.append(f"sdcguard: pod is not controlled by {names.JOB_KIND} {job_name}"
                         + (f" (uid {job_uid})" if job_uid else " (the job could not be read)")
                         + "; no sidecar: only the job's own pods may sign its alarms")
+        how = None
+    if how is not None and not sidecar.job_controllers and not sidecar.allow_any_job_controller:
+        warnings.append("sdcguard: no job controller is configured (SDCGUARD_JOB_CONTROLLER_USERS, chart "
+                        "webhook.jobControllerUsers) and SDCGUARD_ALLOW_ANY_JOB_CONTROLLER is not true; no sidecar: "
+                        "an ownerReference alone can be forged by anyone who may create pods here")
         how = None
     if how is not None and sidecar.job_controllers and creator not in sidecar.job_controllers:
         warnings.append(f"sdcguard: pod created by {creator!r}, not by the job controller "
@@ -212,6 +229,36 @@ def strip_key_references(pod: dict[str, Any]) -> list[str]:
             container["envFrom"] = [e for e in env_from if not _key_secret((e.get("secretRef") or {}).get("name"))]
             warnings.append(f"sdcguard: container {where!r} loaded an alarm-key Secret with envFrom; removed")
     return [w for w in warnings if w]
+
+
+def ephemeral_key_references(pod: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> list[str]:
+    """Why each ephemeral container of ``pod`` not already in ``old`` may not be added: it mounts the
+    alarm-key volume (:data:`names.ALARM_KEY_VOLUME`) or any volume of an alarm-key Secret (secret or
+    projected source), or reads one through ``env`` / ``envFrom``. An ephemeral container is added
+    through the ``pods/ephemeralcontainers`` subresource, after the pod was created (``kubectl debug``):
+    the pod webhook's CREATE never sees it. Empty: nothing to refuse."""
+    spec = pod.get("spec") or {}
+    key_volumes = {names.ALARM_KEY_VOLUME}
+    for volume in spec.get("volumes") or []:
+        if _key_secret((volume.get("secret") or {}).get("secretName")) or any(
+                _key_secret((src.get("secret") or {}).get("name"))
+                for src in (volume.get("projected") or {}).get("sources") or []):
+            key_volumes.add(volume.get("name"))
+    before = {c.get("name") for c in ((old or {}).get("spec") or {}).get("ephemeralContainers") or []}
+    problems = []
+    for container in spec.get("ephemeralContainers") or []:
+        where = container.get("name")
+        if where in before:
+            continue
+        mounts = [m.get("name") for m in container.get("volumeMounts") or [] if m.get("name") in key_volumes]
+        if mounts:
+            problems.append(f"ephemeral container {where!r} mounts the alarm-key volume {mounts[0]!r}")
+        if any(_key_secret(((e.get("valueFrom") or {}).get("secretKeyRef") or {}).get("name"))
+               for e in container.get("env") or []):
+            problems.append(f"ephemeral container {where!r} reads an alarm-key Secret into env")
+        if any(_key_secret((e.get("secretRef") or {}).get("name")) for e in container.get("envFrom") or []):
+            problems.append(f"ephemeral container {where!r} loads an alarm-key Secret with envFrom")
+    return problems
 
 
 def effective_annotations(pod: Mapping[str, Any], job_annotations: Mapping[str, str] | None) -> dict[str, str]:

@@ -17,6 +17,7 @@ records one.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import itertools
 from typing import Any
 
@@ -43,6 +44,43 @@ def is_open(status: dict[str, Any], **_: Any) -> bool:
     foreign = any(c.get("type") == "CreatedByOperator" and c.get("status") == "False"
                   for c in status.get("conditions") or [])
     return status.get("phase") not in TERMINAL and not foreign
+
+
+def install_seal(settings: Settings) -> None:
+    """Every write of a NodeReplacement's status carries the operator's seal (``status.seal``, see
+    :class:`kube.StatusSeal`), and a status without a valid one is neither acted on nor written over:
+    a ``/status`` write can no longer fake the health check's result and message (what the approver
+    reads), skip the check by writing ``PendingApproval``, or reach ``release`` with a forged
+    ``Failed``."""
+    if names.REPLACEMENTS not in kube.SEALS:
+        kube.SEALS[names.REPLACEMENTS] = kube.StatusSeal(
+            lambda name, text: master_key.seal(settings, "NodeReplacementStatus", name,
+                                               hashlib.sha256(text.encode()).hexdigest()))
+
+
+def status_sealed(body: dict[str, Any]) -> bool:
+    return kube.sealed_status(names.REPLACEMENTS, body["metadata"]["name"], body.get("status") or {})
+
+
+def _refuse_unsealed(body: dict[str, Any]) -> None:
+    """A status the operator did not seal: marked (condition ``StatusSealed=False``, conditions only,
+    so the seal stays broken), counted, never acted on."""
+    status = body.get("status") or {}
+    if any(c.get("type") == "StatusSealed" and c.get("status") == "False" for c in status.get("conditions") or []):
+        return
+    metrics.REPLACEMENTS_REFUSED.labels("StatusNotSealed").inc()
+    message = ("the status does not carry the operator's seal: someone else wrote it (phase, health check, "
+               "decision); nothing is acted on and what it shows is not the operator's record")
+    kube.record(names.REPLACEMENTS, None, body["metadata"]["name"], unsealed=True,
+                conditions=[kube.condition("StatusSealed", False, "StatusNotSealed", message)])
+
+
+def check_seal(body: dict[str, Any], settings: Settings) -> None:
+    """On every change of a NodeReplacement (the timer stops at a terminal phase, also a forged one):
+    a status the operator did not seal is marked at once."""
+    install_seal(settings)
+    if ours(body, settings) and not status_sealed(body):
+        _refuse_unsealed(body)
 
 
 def seal(settings: Settings, name: str, target: dict[str, Any]) -> str:
@@ -75,6 +113,7 @@ def ensure(node: str, where: Location, incident_ref: str, settings: Settings) ->
     once), with its target recorded in the status. An object of that name the operator did not
     create (pre-created, perhaps with a decision set) is passed over, never adopted: the next name
     is tried."""
+    install_seal(settings)
     target = target_of(node, where)
     for n in itertools.count(1):
         name = node if n == 1 else f"{node}-{n}"
@@ -93,6 +132,8 @@ def ensure(node: str, where: Location, incident_ref: str, settings: Settings) ->
         if not ours(existing, settings):
             metrics.REPLACEMENTS_REFUSED.labels("NotCreatedByOperator").inc()
             continue
+        if not status_sealed(existing):
+            continue  # its status was forged: not joined (the next name is tried)
         if spec_target(existing["spec"]) == target and status.get("phase") not in TERMINAL \
                 and status.get("target", target) == target:
             if not status.get("target"):  # created just before a crash
@@ -122,11 +163,15 @@ def reconcile(body: dict[str, Any], settings: Settings) -> None:
     read, and every AWS call is preceded by a claim (:func:`_claim_attempt`) that only one caller
     can win.
     """
+    install_seal(settings)
     name = body["metadata"]["name"]
     body = kube.get_replacement(name)
     status = body.get("status") or {}
     if not ours(body, settings):
         _refuse_foreign(body)
+        return
+    if not status_sealed(body):
+        _refuse_unsealed(body)
         return
     _export_pending(name, body)
     target = status.get("target")
@@ -201,7 +246,7 @@ def _refuse_foreign(body: dict[str, Any]) -> None:
         return
     metrics.REPLACEMENTS_REFUSED.labels("NotCreatedByOperator").inc()
     message = "not created by the sdcguard operator (no valid operator seal): never acted on"
-    kube.record(names.REPLACEMENTS, None, body["metadata"]["name"], "NotAdopted", message,
+    kube.record(names.REPLACEMENTS, None, body["metadata"]["name"], unsealed=True,
                 conditions=[kube.condition("CreatedByOperator", False, "NotCreatedByOperator", message)])
 
 
@@ -232,11 +277,15 @@ def release(body: dict[str, Any], settings: Settings) -> None:
     yourself once you trust it), loses the suspect label, and the slot is free for the next
     incident.  Recorded once in ``status.released`` and the timeline.
     """
+    install_seal(settings)
     name = body["metadata"]["name"]
     body = kube.get_replacement(name)
     spec, status = body.get("spec") or {}, body.get("status") or {}
     if not spec.get("release") or status.get("released") or status.get("phase") != Phase.FAILED \
             or not ours(body, settings) or (settings.require_admission_decisions and not spec.get("releasedBy")):
+        return
+    if not status_sealed(body):  # a Failed the operator did not write: the slot stays where it is
+        _refuse_unsealed(body)
         return
     node = (status.get("target") or {}).get("nodeName") or spec.get("nodeName")
     by = spec.get("releasedBy") or approval.UNATTRIBUTED

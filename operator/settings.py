@@ -31,6 +31,11 @@ class Settings:
     """SDCGUARD_MAX_SUSPECT_NODES_PER_NAMESPACE: storm guard, nodes one namespace's incidents may hold
     at once, so that one tenant cannot take every cluster-wide slot (unset: the cluster-wide limit;
     set it below that limit on a shared cluster)."""
+    allow_shared_nodes: bool = False
+    """SDCGUARD_ALLOW_SHARED_NODES: cordon a suspect node that also runs pods of other namespaces
+    (DaemonSet pods and kube-system aside). false (the default): such a node is not cordoned; the
+    incident records it (condition ``SharedNode``) for a person to decide, so that a tenant's
+    alarm cannot take another team's node out of service."""
     suspend_jobs: bool = True
     """SDCGUARD_SUSPEND_JOBS: set spec.runPolicy.suspend on the PyTorchJob of an incident."""
     deep_health_checks: tuple[str, ...] = DEEP_HEALTH_CHECKS
@@ -94,6 +99,19 @@ class Settings:
     """SDCGUARD_OPERATOR_USERNAME: the operator's own user as the API server authenticates it
     (``system:serviceaccount:<namespace>:<name>``); the NodeReplacement webhook lets only it write
     the operator's fields."""
+    alarm_rate_per_minute: float = 120.0
+    """SDCGUARD_ALARM_RATE_PER_MINUTE: alarm Events handled per namespace per minute (a token bucket
+    in the operator, refilled at this rate); past it an Event is rejected ``RateLimited`` before it
+    costs an API call. 0 = no limit."""
+    alarm_burst: int = 300
+    """SDCGUARD_ALARM_BURST: the bucket's size (every rank of a large job reports one fault at once:
+    the duplicates join one incident)."""
+    max_incidents_per_job: int = 50
+    """SDCGUARD_MAX_INCIDENTS_PER_JOB: SDCIncidents one job instance (uid) may have; a new fault past
+    it is rejected ``TooManyIncidents`` (its duplicates still join). 0 = no limit."""
+    intake_retries: int = 20
+    """How often kopf tries an alarm Event whose handling fails transiently; the last failure is a
+    rejection (``IntakeError``), counted and alerted, never a silent drop."""
     pod_name: str | None = None
     """POD_NAME / POD_NAMESPACE: the operator's own pod (downward API), for rejection Events."""
     pod_namespace: str | None = None
@@ -113,6 +131,7 @@ class Settings:
             max_concurrent_suspect_nodes=_int(env, "SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES", 2),
             max_suspect_nodes_per_job=_int(env, "SDCGUARD_MAX_SUSPECT_NODES_PER_JOB", cluster_limit),
             max_suspect_nodes_per_namespace=_int(env, "SDCGUARD_MAX_SUSPECT_NODES_PER_NAMESPACE", cluster_limit),
+            allow_shared_nodes=_bool(env, "SDCGUARD_ALLOW_SHARED_NODES", False),
             suspend_jobs=_bool(env, "SDCGUARD_SUSPEND_JOBS", True),
             deep_health_checks=checks,
             poll_seconds=_float(env, "SDCGUARD_POLL_SECONDS", 30.0),
@@ -136,6 +155,9 @@ class Settings:
             require_admission_decisions=_bool(env, "SDCGUARD_REQUIRE_ADMISSION_DECISIONS", True),
             master_key_file=env.get("SDCGUARD_MASTER_KEY_FILE") or None,
             operator_username=env.get("SDCGUARD_OPERATOR_USERNAME") or None,
+            alarm_rate_per_minute=_float(env, "SDCGUARD_ALARM_RATE_PER_MINUTE", 120.0),
+            alarm_burst=_int(env, "SDCGUARD_ALARM_BURST", 300),
+            max_incidents_per_job=_int(env, "SDCGUARD_MAX_INCIDENTS_PER_JOB", 50),
             pod_name=env.get(names.ENV_POD_NAME) or None,
             pod_namespace=env.get(names.ENV_POD_NAMESPACE) or None,
         )
@@ -144,6 +166,9 @@ class Settings:
                             ("SDCGUARD_MAX_SUSPECT_NODES_PER_NAMESPACE", settings.max_suspect_nodes_per_namespace)):
             if value < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if settings.alarm_rate_per_minute < 0 or settings.alarm_burst < 1 or settings.max_incidents_per_job < 0:
+            raise ValueError("SDCGUARD_ALARM_RATE_PER_MINUTE and SDCGUARD_MAX_INCIDENTS_PER_JOB must be >= 0, "
+                             "SDCGUARD_ALARM_BURST >= 1")
         if settings.max_alarm_age_seconds <= 0 or settings.clock_skew_seconds < 0:
             raise ValueError("SDCGUARD_MAX_ALARM_AGE_SECONDS must be > 0 and SDCGUARD_CLOCK_SKEW_SECONDS >= 0")
         if settings.poll_seconds <= 0 or settings.retry_seconds <= 0:

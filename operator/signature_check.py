@@ -40,7 +40,7 @@ def presented(event: dict[str, Any], settings: Settings, logger: logging.Logger 
         metrics.ALARMS_UNSIGNED.inc()
         logger.warning(f"alarm Event {name} is unsigned; accepted because SDCGUARD_REQUIRE_SIGNED_ALARMS=false")
         return None
-    if not _WELL_FORMED.match(signature):
+    if not isinstance(signature, str) or not _WELL_FORMED.fullmatch(signature):
         raise Rejected("BadSignature", f"{names.ALARM_SIGNATURE_ANNOTATION} is not "
                        f"{names.ALARM_SIGNATURE_SCHEME}=<64 hex digits>")
     return signature

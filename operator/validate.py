@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from sdcguard.contract import alarm as alarm_schema
 from sdcguard.contract import names
+from sdcguard.contract.text import has_format_characters
 
 from . import kube, metrics
 from .settings import Settings
@@ -46,11 +47,49 @@ def annotation(event: dict[str, Any]) -> str:
 def parse(event: dict[str, Any], settings: Settings) -> dict[str, Any]:
     """The alarm record of an Event, schema-checked, with the job checks that need no API call."""
     text = annotation(event)
+    # Bounded before it is parsed: the HMAC can only be checked once the record names its job.
+    if len(text) > names.ALARM_MAX_BYTES or len(text.encode("utf-8", "surrogatepass")) > names.ALARM_MAX_BYTES:
+        raise Rejected("MalformedAlarm", f"the alarm annotation is longer than {names.ALARM_MAX_BYTES} bytes")
+    if nesting(text) > names.ALARM_MAX_DEPTH:
+        raise Rejected("MalformedAlarm", f"the alarm record nests deeper than {names.ALARM_MAX_DEPTH} levels")
     try:
         record = alarm_schema.loads(text)
     except alarm_schema.AlarmError as exc:
         reason = "UnsupportedSchema" if "unsupported alarm schema" in str(exc) else "MalformedAlarm"
         raise Rejected(reason, str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - whatever a crafted record makes the parser raise
+        raise Rejected("MalformedAlarm", f"the alarm record does not parse ({type(exc).__name__})") from None
+    try:
+        return _parsed(record, event, settings)
+    except Rejected:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a record of unexpected shape is malformed, never a crash
+        raise Rejected("MalformedAlarm", f"the alarm record is not well formed ({type(exc).__name__})") from None
+
+
+def nesting(text: str) -> int:
+    """How deep the JSON ``text`` nests (arrays and objects), counted without parsing it."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def _parsed(record: dict[str, Any], event: dict[str, Any], settings: Settings) -> dict[str, Any]:
     job = record["job"]
     if job is None:
         raise Rejected("NoJob", "the alarm names no Kubernetes job")
@@ -74,11 +113,14 @@ SHA256 = re.compile(r"^[0-9a-f]{64}$")
 def _check_strings(record: dict[str, Any]) -> None:
     """The strings the operator copies into an SDCIncident (and people read in ``kubectl get`` and
     ``kubectl sdcguard``) match the CRD's patterns and lengths: names are DNS names, the checkpoint
-    and the id printable (no control characters: no ANSI escapes), else MalformedAlarm."""
+    and the id printable (no control characters: no ANSI escapes, no Unicode format characters such
+as U+202E), else MalformedAlarm. Whole-string matches (``fullmatch``: ``$`` would let a trailing
+newline through)."""
     def bad(what: str, value: Any, pattern: re.Pattern[str], limit: int, nullable: bool = True) -> None:
         if value is None and nullable:
             return
-        if not isinstance(value, str) or len(value) > limit or not pattern.match(value):
+        if not isinstance(value, str) or len(value) > limit or not pattern.fullmatch(value) \
+                or has_format_characters(value):
             raise Rejected("MalformedAlarm", f"{what} {str(value)[:80]!r} is not allowed "
                            f"(at most {limit} characters of {pattern.pattern})")
     job = record.get("job") or {}

@@ -52,3 +52,43 @@ def test_outside_kubernetes_identity_is_null():
 def test_bad_settings_name_the_option(env, message):
     with pytest.raises(ValueError, match=message):
         Config.from_env(env)
+
+
+def test_an_integrity_budget_from_arguments_and_from_the_environment():
+    cfg = Config(max_overhead=0.03, max_audit_interval=500)
+    assert (cfg.max_overhead, cfg.max_audit_interval, cfg.budgeted) == (0.03, 500, True)
+    assert not Config().budgeted and Config().max_overhead is None
+    cfg = Config.from_env({"SDCGUARD_MAX_OVERHEAD": "0.05", "SDCGUARD_MAX_AUDIT_INTERVAL": "200"},
+                          max_overhead=0.01, max_audit_interval=50)
+    assert (cfg.max_overhead, cfg.max_audit_interval) == (0.05, 200)  # the platform wins, as for every setting
+    # audit_every is the interval a budgeted run starts with, not a conflict
+    assert Config.from_env({"SDCGUARD_AUDIT_EVERY": "10", "SDCGUARD_MAX_OVERHEAD": "0.03",
+                            "SDCGUARD_MAX_AUDIT_INTERVAL": "100"}).audit_every == 10
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_overhead": 0.03}, r"max_overhead needs max_audit_interval \(SDCGUARD_MAX_AUDIT_INTERVAL\)"),
+    ({"max_audit_interval": 100}, "max_audit_interval applies only with max_overhead"),
+    ({"max_overhead": 0.03, "max_audit_interval": 0}, "max_audit_interval must be an integer >= 1"),
+    ({"max_overhead": 0.03, "max_audit_interval": 1.5}, "max_audit_interval must be an integer >= 1"),
+    ({"max_overhead": 0.0, "max_audit_interval": 100}, "max_overhead must be a number > 0"),
+    ({"max_overhead": -0.1, "max_audit_interval": 100}, "max_overhead must be a number > 0"),
+    ({"max_overhead": float("nan"), "max_audit_interval": 100}, "max_overhead must be a number > 0"),
+    ({"max_overhead": "3%", "max_audit_interval": 100}, "max_overhead must be a number > 0"),
+    ({"max_overhead": True, "max_audit_interval": 100}, "max_overhead must be a number > 0"),
+    ({"max_overhead": 0.03, "max_audit_interval": 100, "audit_every": 0}, "audit_every=0 turns audits off"),
+])
+def test_a_bad_budget_names_the_option(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Config(**kwargs)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"SDCGUARD_MAX_OVERHEAD": "3%", "SDCGUARD_MAX_AUDIT_INTERVAL": "100"}, "SDCGUARD_MAX_OVERHEAD must be a number"),
+    ({"SDCGUARD_MAX_OVERHEAD": "0.03"}, "max_overhead needs max_audit_interval"),
+    ({"SDCGUARD_MAX_OVERHEAD": "0.03", "SDCGUARD_MAX_AUDIT_INTERVAL": "soon"},
+     "SDCGUARD_MAX_AUDIT_INTERVAL must be an integer"),
+])
+def test_a_bad_budget_in_the_environment_names_the_variable(env, message):
+    with pytest.raises(ValueError, match=message):
+        Config.from_env(env)

@@ -19,6 +19,7 @@ torchtitan's clipping, AdamW and LR schedule.
   - compile.enable (slow): unaudited compiled steps bit-identical to torchtitan's, an audited one
     (eager) catching a flipped gradient bit.
 """
+import dataclasses
 import json
 import subprocess
 import sys
@@ -147,6 +148,11 @@ def test_guarded_turns_a_registry_config_into_one_with_an_sdcguard_section():
                                                    "grad-inf:rank=1:step=2"], default=config, registry=custom_registry)
     assert (parsed.sdcguard.audit_every, parsed.sdcguard.inject) == (7, ["grad-inf:rank=1:step=2"])
     assert parsed.training == base.training
+    # torchtitan's checkpoint section, built as sdcguard's subclass of its CheckpointManager
+    from sdcguard.integrations.torchtitan import GuardedCheckpointManager
+    for c in (config, parsed):
+        assert type(c.checkpoint) is GuardedCheckpointManager.Config and c.checkpoint._owner is GuardedCheckpointManager
+        assert dataclasses.asdict(c.checkpoint) == dataclasses.asdict(base.checkpoint)
 
 
 def _sum_reduction(corrupt: bool) -> bool:

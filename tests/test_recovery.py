@@ -75,3 +75,29 @@ def test_last_verified_step_is_the_last_audit_else_the_last_weights_check():
     assert History(last_audited_step=5, last_weights_verified_step=9).last_verified_step == 5
     assert History(last_weights_verified_step=9).last_verified_step == 9
     assert History().last_verified_step is None
+
+
+def test_nameable_is_each_checks_newest_checkpoint_at_or_before_the_step_it_cleared():
+    """One rule for what a later alarm can still name (a rotation spares these; resume_floor is the
+    oldest): audit cleared 5 -> step-4, check 3 cleared 8 -> step-8, check 4 cleared 3 -> step-2;
+    a checkpoint never cross-checked is never one."""
+    from sdcguard.recovery import nameable, resume_floor, worth_keeping
+    h = history(last_audited_step=5, last_weights_verified_step=8, last_reduction_verified_step=3)
+    assert [c.step for c in nameable(h)] == [2, 4, 8]
+    assert resume_floor(h) == 2
+    h = history(last_audited_step=5, last_weights_verified_step=5)  # both anchors are step-4: listed once
+    assert [c.step for c in nameable(h)] == [4] and resume_floor(h) == 4
+    assert nameable(history()) == [] and resume_floor(history()) is None  # nothing cleared yet
+    h = history(last_audited_step=1, last_weights_verified_step=8)  # the audit cleared no checkpoint
+    assert [c.step for c in nameable(h)] == [8] and resume_floor(h) is None  # so every one may be named
+    unchecked = History(last_weights_verified_step=8, checkpoints=[Checkpoint(2, "a.pt", None),
+                                                                   Checkpoint(6, "b.pt", None, cross_checked=False)])
+    assert [c.path for c in nameable(unchecked)] == ["a.pt"]
+    # a rotation removing a path keeps the entry only when an alarm may still name it
+    h = history(last_audited_step=5, last_weights_verified_step=8)
+    assert worth_keeping(h, "step-2.pt") is None  # below the floor (4)
+    assert worth_keeping(h, "step-6.pt").step == 6
+    assert worth_keeping(unchecked, "b.pt") is None
+    twice = History(last_weights_verified_step=8, checkpoints=[Checkpoint(6, "b.pt", None),
+                                                               Checkpoint(6, "b.sdcguard-step6.pt", None)])
+    assert worth_keeping(twice, "b.pt") is None  # another copy of step 6 is kept already

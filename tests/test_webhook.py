@@ -81,7 +81,9 @@ class WebhookOperator:
         self.tls = make_tls(workdir / "tls")
         env = {"KUBECONFIG": str(kube.kubeconfig), "SDCGUARD_WEBHOOK_CERT_DIR": str(self.tls),
                "SDCGUARD_WEBHOOK_PORT": str(self.port), "SDCGUARD_WEBHOOK_ADDR": "127.0.0.1",
-               "SDCGUARD_SIDECAR_IMAGE": IMAGE, "SDCGUARD_SIDECAR_METRICS_PORT": "9464", **(env or {})}
+               "SDCGUARD_SIDECAR_IMAGE": IMAGE, "SDCGUARD_SIDECAR_METRICS_PORT": "9464",
+               # reviews carry no user: the ownerReference alone decides here (said explicitly)
+               "SDCGUARD_ALLOW_ANY_JOB_CONTROLLER": "true", **(env or {})}
         self._saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         registry = kopf.OperatorRegistry()
@@ -310,7 +312,7 @@ def test_no_container_but_the_sidecar_can_reach_a_key_secret_by_any_name() -> No
     containers; the pod template's own secret or projected volume of sdcguard-alarm-key-<job>
     (any volume name), an env secretKeyRef or an envFrom secretRef left the key readable by the
     training container. Now each is removed, in every pod the webhook sees (enabled or not)."""
-    settings = pod_mutation.SidecarSettings(image=IMAGE)
+    settings = pod_mutation.SidecarSettings(image=IMAGE, allow_any_job_controller=True)
     for enabled in (True, False):
         pod = job_pod("llm" if enabled else "plain")
         spec = pod["spec"]
@@ -370,7 +372,7 @@ def test_a_training_container_cannot_claim_the_key_volume_by_name() -> None:
     pod = job_pod("llm")
     pod["spec"]["volumes"] = [{"name": names.ALARM_KEY_VOLUME, "emptyDir": {}}]
     pod["spec"]["containers"][0]["volumeMounts"] = [{"name": names.ALARM_KEY_VOLUME, "mountPath": "/stolen"}]
-    out, _ = pod_mutation.mutated(pod, {"sdcguard.dev/enabled": "true"}, pod_mutation.SidecarSettings(image=IMAGE),
+    out, _ = pod_mutation.mutated(pod, {"sdcguard.dev/enabled": "true"}, pod_mutation.SidecarSettings(image=IMAGE, allow_any_job_controller=True),
                              pod["metadata"]["ownerReferences"][0]["uid"])
     assert out is not None
     assert [v for v in out["spec"]["volumes"] if v["name"] == names.ALARM_KEY_VOLUME] == [
@@ -380,7 +382,7 @@ def test_a_training_container_cannot_claim_the_key_volume_by_name() -> None:
 
 
 def test_plan_and_inject_are_pure_and_idempotent() -> None:
-    settings = pod_mutation.SidecarSettings(image=IMAGE)
+    settings = pod_mutation.SidecarSettings(image=IMAGE, allow_any_job_controller=True)
     pod = job_pod("llm")
     before = copy.deepcopy(pod)
     uid = pod["metadata"]["ownerReferences"][0]["uid"]

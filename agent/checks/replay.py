@@ -61,6 +61,7 @@ class Payload:
 
     step: int
     owner: int
+    """The rank whose forward seeds the step used (the sender, or its tensor-parallel group's first)."""
     micro_batches: Sequence[Any]
     buffers: list[dict[str, torch.Tensor]] = field(default_factory=list)
     weighting: list[Weighting | None] = field(default_factory=list)

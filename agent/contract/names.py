@@ -43,6 +43,11 @@ ALARM_KEY_VOLUME = "sdcguard-alarm-key"
 ALARM_KEY_MOUNT = "/var/run/sdcguard-key"
 """Where the webhook mounts the job's key Secret, in the sidecar container only."""
 ALARM_KEY_FILE = f"{ALARM_KEY_MOUNT}/{ALARM_KEY_DATA_KEY}"
+ALARM_MAX_BYTES = 64 * 1024
+"""The operator refuses (``MalformedAlarm``) an alarm annotation longer than this before parsing it
+(a record is a few KiB; the API server allows 256 KiB of annotations per object)."""
+ALARM_MAX_DEPTH = 16
+"""...and one whose JSON nests deeper than this (a record nests at most 5 levels)."""
 ALARM_SIGNATURE_SCHEME = "v1"
 """``sdcguard.dev/alarm-signature: v1=<hex HMAC-SHA256(key, UTF-8 alarm annotation)>``."""
 
@@ -53,6 +58,8 @@ HYPERPOD_GROUP_LABEL = "sagemaker.amazonaws.com/instance-group-name"
 # -- the operator's webhooks: kopf serves each at POST /<handler id> (the chart and sandbox call them)
 POD_WEBHOOK_ID = "sdcguard-pod-inject"
 REPLACEMENT_WEBHOOK_ID = "sdcguard-nodereplacement-admission"
+EPHEMERAL_WEBHOOK_ID = "sdcguard-pod-ephemeral-containers"
+"""Validating, fail closed: ``pods/ephemeralcontainers`` UPDATE (``kubectl debug``) may not reach an alarm key."""
 
 # -- the operator's marks on nodes and objects ----------------------------------------------------
 SUSPECT_LABEL = f"{GROUP}/suspect"
@@ -68,6 +75,10 @@ ENV_WEIGHT_CHECK_EVERY = "SDCGUARD_WEIGHT_CHECK_EVERY"
 ENV_SPOOL = "SDCGUARD_SPOOL"
 ENV_RANKS_PER_NODE = "SDCGUARD_RANKS_PER_NODE"
 ENV_SEED = "SDCGUARD_SEED"
+ENV_MAX_OVERHEAD = "SDCGUARD_MAX_OVERHEAD"
+"""``sdcguard.Config.max_overhead``: the integrity budget (a fraction, e.g. ``0.03``)."""
+ENV_MAX_AUDIT_INTERVAL = "SDCGUARD_MAX_AUDIT_INTERVAL"
+"""``sdcguard.Config.max_audit_interval``: the budget's detection-latency cap, in steps."""
 ENV_JOB_NAME = "SDCGUARD_JOB_NAME"
 ENV_JOB_KIND = "SDCGUARD_JOB_KIND"
 ENV_POD_NAME = "POD_NAME"

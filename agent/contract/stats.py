@@ -4,6 +4,13 @@
 seconds, last verified step, alarms. Rewritten atomically at most every ``interval`` seconds (and
 at once after an alarm), without fsync: losing the last few seconds of counters is harmless,
 slowing the training step is not.
+
+Additive in v1, ``audit_schedule``: how the audit interval is chosen — ``{"mode": "fixed",
+"interval": K}`` (0: no audits), or under an integrity budget (``Config.max_overhead``,
+``sdcguard.budget``) ``{"mode": "budget", "interval", "reason", "max_overhead",
+"max_audit_interval", "decided", "decided_at_step", "decisions", "changes", "wanted_here",
+"premium_here", "measured_here": {"ordinary_cost_s", "audit_cost_s", "step_time_s"},
+"samples_here"}``: ``interval`` is the one every rank agreed on, ``*_here`` this rank's own view.
 """
 from __future__ import annotations
 
@@ -34,6 +41,8 @@ class CheckStats:
     alarms: int = 0
     runs: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    audit_schedule: dict[str, Any] | None = None
+    """How the audit interval is chosen and what it is now (see the module's docstring)."""
     _written_at: float = 0.0
 
     def timed(self, check: str, started: float) -> None:
@@ -47,6 +56,7 @@ class CheckStats:
             "last_step": self.last_step, "last_verified_step": self.last_verified_step,
             "alarms": self.alarms,
             "checks": {c: {"runs": self.runs[c], "seconds": round(self.seconds[c], 6)} for c in sorted(self.runs)},
+            **({"audit_schedule": self.audit_schedule} if self.audit_schedule is not None else {}),
             "updated": now_rfc3339(),
         }
 

@@ -46,6 +46,12 @@ reduce-scatter inside a node, the all-reduce across nodes) or span whole nodes (
 divides S). Without --nodes / --world-size the job has R x S ranks. With one replica check 3 has
 nothing to compare: a weight or optimizer fault then escapes (the report says why).
 
+Tensor parallel (--tp T, with --shard S, default 1): the model's hidden layer column-wise and its
+head row-wise over T consecutive ranks (parallelize_module, before fully_shard over the data-parallel
+(replicate, shard) mesh): rank r is TP rank r % T of the TP group r // T, which trains on one batch.
+The job has R x S x T ranks; a TP group lies within a node (T divides --ranks-per-node). A fault
+in one rank's forward reaches its whole TP group: the group is named.
+
 Exit status: 0 passed, 1 a fault missed or misattributed / an unsafe resume / an unexplained
 alarm, 2 bad input, 3 the run itself failed."""
 
@@ -61,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard", type=int, metavar="S",
                         help="shard the model with FSDP2 over S consecutive ranks (a shard group: within a node, "
                              "or whole nodes); default: DDP")
+    parser.add_argument("--tp", type=int, metavar="T", default=1,
+                        help="tensor parallel over T consecutive ranks within a node (needs FSDP2: --shard S, "
+                             "default 1); the job has R x S x T ranks")
     parser.add_argument("--replicate", type=int, metavar="R",
                         help="with --shard: R replicas of each shard (HSDP over (R, S); 1 = pure FSDP); default: the "
                              "job's ranks / S; without --nodes / --world-size the job has R x S ranks")
@@ -102,19 +111,20 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         raise DrillInputError("--checkpoint-dir needs --checkpoint-every")
     if args.checkpoint_dir is not None and args.checkpoint_dir.exists() and not args.checkpoint_dir.is_dir():
         raise DrillInputError(f"--checkpoint-dir {args.checkpoint_dir} is not a directory")
+    tp = _tp(args)
     mesh = _mesh(args)
     if mesh is not None and args.world_size is None and args.nodes is None and args.replicate is not None:
-        nodes, world = _layout(None, mesh[0] * mesh[1], args.ranks_per_node)
+        nodes, world = _layout(None, mesh[0] * mesh[1] * tp, args.ranks_per_node)
     else:
         nodes, world = _layout(args.nodes, args.world_size, args.ranks_per_node)
     if mesh is not None:
-        mesh = _check_mesh(mesh, world, args.ranks_per_node)
+        mesh = _check_mesh(mesh, world, args.ranks_per_node, tp)
     try:
         faults = [parse_fault(text, world) for text in args.inject]
-        _check_targets(faults, mesh)
+        _check_targets(faults, mesh, tp)
     except FaultSpecError as exc:
         raise DrillInputError(str(exc)) from None
-    sharded = {} if mesh is None else {"replicate": mesh[0], "shard": mesh[1]}
+    sharded = {} if mesh is None else {"replicate": mesh[0], "shard": mesh[1], **({"tp": tp} if tp > 1 else {})}
     return {**sharded,
         "nodes": nodes, "ranks_per_node": args.ranks_per_node, "world_size": world,
         "steps": args.steps, "audit_every": args.audit_every,
@@ -149,9 +159,10 @@ def _placement(path: Path, nodes: int) -> dict[str, Any]:
             "nodes": [{"pod": e["pod"], "node": e["node"], "pod_uid": e.get("pod_uid")} for e in entries]}
 
 
-def _check_targets(faults: list[FaultSpec], mesh: tuple[int, int] | None = None) -> None:
+def _check_targets(faults: list[FaultSpec], mesh: tuple[int, int] | None = None, tp: int = 1) -> None:
     """Faults that name their own target are checked against the drill model (needs torch); on a
-    sharded drill every fault that strikes a shard is, against the shards of the ranks it strikes."""
+    sharded drill every fault that strikes a shard is, against the shards of the ranks it strikes
+    (with tensor parallelism: of the rank's TP shard)."""
     shard_side = mesh is not None and any(f.info.corrupts in SHARD_SIDE for f in faults)
     if shard_side or any(f.site is not None or f.param is not None or f.element is not None for f in faults):
         import torch
@@ -164,10 +175,11 @@ def _check_targets(faults: list[FaultSpec], mesh: tuple[int, int] | None = None)
             if mesh is not None and fault.info.corrupts != "forward":
                 from ..faults.sharded import check_sharded_fault
                 from ..faults.targets import resolve_parameter
+                from .model import tp_local_shape
                 name, parameter = resolve_parameter(model, fault.param if fault.param is not None else PARAM)
                 shards = mesh[1]
-                check_sharded_fault(fault, name, tuple(parameter.shape), shards, lambda rank: rank % shards,
-                                    fault.element if fault.element is not None else 0)
+                check_sharded_fault(fault, name, tp_local_shape(name, tuple(parameter.shape), tp), shards,
+                                    lambda rank: (rank // tp) % shards, fault.element if fault.element is not None else 0)
 
 
 def _mesh(args: argparse.Namespace) -> tuple[int, int | None] | None:
@@ -178,7 +190,7 @@ def _mesh(args: argparse.Namespace) -> tuple[int, int | None] | None:
         return None
     if args.shard < 1:
         raise DrillInputError("--shard must be >= 1")
-    if args.shard == 1 and (args.replicate or 0) < 2:
+    if args.shard == 1 and (args.replicate or 0) < 2 and (args.tp or 1) == 1:
         raise DrillInputError("--shard 1 needs --replicate R >= 2 (R replicas of unsharded FSDP2 units); "
                               "one rank has nothing to compare with")
     if args.replicate is not None and args.replicate < 1:
@@ -186,20 +198,42 @@ def _mesh(args: argparse.Namespace) -> tuple[int, int | None] | None:
     return args.replicate if args.replicate is not None else None, args.shard  # type: ignore[return-value]
 
 
-def _check_mesh(mesh: tuple[int | None, int], world: int, per_node: int) -> tuple[int, int]:
-    """(R, S) checked against the job: R x S ranks, shard groups within a node or whole nodes."""
+def _check_mesh(mesh: tuple[int | None, int], world: int, per_node: int, tp: int = 1) -> tuple[int, int]:
+    """(R, S) checked against the job: R x S (x T) ranks, shard groups within a node or whole nodes,
+    tensor-parallel groups within a node."""
     replicate, shard = mesh
     if replicate is None:
-        if world % shard:
-            raise DrillInputError(f"--shard {shard} does not divide the job's {world} ranks")
-        replicate = world // shard
-    if replicate * shard != world:
-        raise DrillInputError(f"--replicate {replicate} x --shard {shard} = {replicate * shard} ranks, "
-                              f"but the job has {world}")
-    if per_node % shard and shard % per_node:
-        raise DrillInputError(f"a shard group of {shard} consecutive ranks would straddle nodes of {per_node} "
-                              f"ranks: --shard must divide --ranks-per-node or be a multiple of it")
+        if world % (shard * tp):
+            raise DrillInputError(f"--shard {shard}{f' x --tp {tp}' if tp > 1 else ''} does not divide the job's "
+                                  f"{world} ranks")
+        replicate = world // (shard * tp)
+    if replicate * shard * tp != world:
+        raise DrillInputError(f"--replicate {replicate} x --shard {shard}{f' x --tp {tp}' if tp > 1 else ''} = "
+                              f"{replicate * shard * tp} ranks, but the job has {world}")
+    if per_node % tp:
+        raise DrillInputError(f"a tensor-parallel group of {tp} consecutive ranks would straddle nodes of {per_node} "
+                              "ranks: --tp must divide --ranks-per-node")
+    span = shard * tp  # the ranks of one replica
+    if per_node % span and span % per_node:
+        raise DrillInputError(f"a replica's {span} consecutive ranks would straddle nodes of {per_node} ranks: "
+                              f"--shard{' x --tp' if tp > 1 else ''} must divide --ranks-per-node or be a multiple of it")
+    if replicate * shard < 2:
+        raise DrillInputError("tensor parallelism alone leaves no data-parallel replica to compare with: give "
+                              "--replicate or --shard so that the job has 2 data-parallel ranks at least")
     return replicate, shard
+
+
+def _tp(args: argparse.Namespace) -> int:
+    """T from --tp, which needs the FSDP2 drill (the data-parallel dimensions sharded by fully_shard)."""
+    tp = args.tp if args.tp is not None else 1
+    if tp < 1:
+        raise DrillInputError("--tp must be >= 1")
+    if tp > 1 and args.shard is None:
+        args.shard = 1  # tensor parallel over FSDP2 units that are not sharded: R replicas
+        if args.replicate is None and args.world_size is None and args.nodes is None:
+            raise DrillInputError("--tp needs the data-parallel size: give --replicate R (and --shard S), or "
+                                  "--nodes / --world-size")
+    return tp
 
 
 def _layout(nodes: int | None, world: int | None, per_node: int) -> tuple[int, int]:
@@ -304,8 +338,13 @@ def _print_header(cfg: dict[str, Any]) -> None:
     if cfg.get("shard"):
         mesh = (f"HSDP {cfg['replicate']} replicas x {cfg['shard']} shards" if cfg["replicate"] > 1
                 else f"FSDP over {cfg['shard']} ranks (one replica)")
-        print(f"[drill] sharded: {mesh}; rank r holds shard r % {cfg['shard']} of replica r // {cfg['shard']}",
-              flush=True)
+        tp = cfg.get("tp", 1)
+        if tp > 1:
+            print(f"[drill] sharded: {mesh}, x tensor parallel over {tp} ranks; rank r is TP rank r % {tp} of "
+                  f"shard (r // {tp}) % {cfg['shard']} of replica r // {cfg['shard'] * tp}", flush=True)
+        else:
+            print(f"[drill] sharded: {mesh}; rank r holds shard r % {cfg['shard']} of replica r // {cfg['shard']}",
+                  flush=True)
     print(f"[drill] {cfg['nodes']} nodes x {cfg['ranks_per_node']} ranks ({cfg['backend']}), "
           f"{cfg['steps']} steps, audit every {cfg['audit_every'] or 'never'}, "
           f"weight check every {cfg['weight_check_every'] or 'audit step'}", flush=True)

@@ -29,6 +29,24 @@ class DrillModel(nn.Module):
         return self.head(F.gelu(self.hidden(h)))
 
 
+TP_PLAN = {"hidden": "colwise", "head": "rowwise"}
+"""The drill's tensor-parallel plan (``--tp``): the hidden layer column-wise, the head row-wise
+(Megatron's MLP pair: one all-reduce per forward, after the head)."""
+
+
+def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """Pure: the shape of a rank's tensor-parallel shard of the drill model's parameter ``name``."""
+    if tp == 1:
+        return shape
+    layer, kind = name.rsplit(".", 1)
+    style = TP_PLAN.get(layer)
+    if style == "colwise":  # weight and bias split along the output features
+        return (shape[0] // tp, *shape[1:])
+    if style == "rowwise" and kind == "weight":  # along the input features; the bias is replicated
+        return (shape[0], shape[1] // tp)
+    return shape
+
+
 def make_batch(seed: int, step: int, rank: int, micro: int, size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s micro-batch ``micro`` of step ``step``; labels come from a fixed teacher."""
     teacher = torch.Generator().manual_seed(seed)

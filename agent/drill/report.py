@@ -22,7 +22,8 @@ def build_report(cfg: dict[str, Any], results: list[dict[str, Any]], alarms: lis
     faults = [FaultSpec(**f) for f in cfg["faults"]]
     stopped_at = results[0]["stopped_at_step"]
     plan = Schedule(cfg["steps"], cfg["audit_every"], cfg["weight_check_every"], cfg["nodes"], cfg["checkpoint_every"],
-                    checks_weights=not cfg.get("shard") or cfg["replicate"] > 1)  # pure FSDP: no check 3
+                    checks_weights=not cfg.get("shard") or cfg["replicate"] > 1,  # pure FSDP: no check 3
+                    tp=cfg.get("tp", 1))
     recoveries = _recoveries(results[0]["recoveries"], alarms)
     verdict: Judgement = judge_faults(faults, alarms, plan, stopped_at=stopped_at,
                                       resumed_at={r["alarm"]: r["resume_step"] for r in recoveries})

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..child_process import exit_without_finalizing
 from ..config import Config
 from ..contract import names
-from .model import PARAM, SITE, DrillModel, loss_fn, make_batch
+from .model import PARAM, SITE, TP_PLAN, DrillModel, loss_fn, make_batch
 from ..errors import SDCDetected
 from ..faults.judge import suspect_window
 from ..faults.spec import FaultSpec
@@ -63,6 +63,9 @@ def _device_mesh(cfg: dict[str, Any]) -> Any:
         return None
     from torch.distributed.device_mesh import init_device_mesh
     kind = "cuda" if cfg["backend"] == "nccl" else "cpu"
+    if cfg.get("tp", 1) > 1:  # rank r: TP rank r % T; torchtitan's (dp_replicate, dp_shard, tp) order
+        return init_device_mesh(kind, (cfg["replicate"], cfg["shard"], cfg["tp"]),
+                                mesh_dim_names=("replicate", "shard", "tp"))
     if cfg["replicate"] > 1:
         return init_device_mesh(kind, (cfg["replicate"], cfg["shard"]), mesh_dim_names=("replicate", "shard"))
     return init_device_mesh(kind, (cfg["shard"],), mesh_dim_names=("shard",))
@@ -114,6 +117,11 @@ def build_sharded(cfg: dict[str, Any], rank: int, device: torch.device, injector
     from torch.distributed.fsdp import fully_shard
     torch.manual_seed(cfg["seed"])
     model = DrillModel().to(device)
+    if cfg.get("tp", 1) > 1:  # tensor parallel first, then FSDP2 over the data-parallel dimensions
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        parallelize_module(model, mesh["tp"], {layer: styles[style]() for layer, style in TP_PLAN.items()})
+        mesh = mesh["replicate", "shard"] if cfg["replicate"] > 1 else mesh["shard"]
     for layer in (model.embed, model.hidden, model.head):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -209,7 +217,8 @@ def _weights_digest(model: torch.nn.Module) -> str:
 def _step(cfg: dict[str, Any], job: Trainer, injector: FaultInjector, rank: int, step: int) -> torch.Tensor:
     """One checked step, and the verified checkpoint after it when one is due."""
     injector.begin_step(step)
-    batches = [make_batch(cfg["seed"], step, rank, m) for m in range(cfg["micro_batches"])]
+    data_rank = rank // cfg.get("tp", 1)  # a tensor-parallel group trains on one batch
+    batches = [make_batch(cfg["seed"], step, data_rank, m) for m in range(cfg["micro_batches"])]
     loss = job.guard.train_step(step, micro_batches=batches)
     if cfg["checkpoint_every"] and step % cfg["checkpoint_every"] == 0:
         name = f"step-{step}" if cfg.get("shard") else f"step-{step}.pt"  # sharded: a DCP directory

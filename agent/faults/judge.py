@@ -50,6 +50,9 @@ class Schedule:
     """Check 4 runs on every step (the reduce hook averages like DDP; not with a compression hook)."""
     checks_weights: bool = True
     """Check 3 has replicas to compare (not with one replica: a model sharded with pure FSDP)."""
+    tp: int = 1
+    """Ranks per tensor-parallel group, laid out on consecutive ranks (1: none). A fault in one
+    rank's forward reaches its whole group through the activation collectives: the group is named."""
 
     @classmethod
     def of(cls, guard: Any, steps: int, checkpoint_every: int | None = None) -> Schedule:
@@ -59,11 +62,13 @@ class Schedule:
         replicas = topology.world_size > 1  # one replica: nobody to replay its batch, no audits
         configured = getattr(cfg, "checkpoint_every", 0)
         layout = guard.layout
+        mesh = getattr(layout, "mesh", None)
         return cls(steps, cfg.audit_every if replicas else 0, cfg.weight_check_every, topology.nodes,
                    configured if checkpoint_every is None else checkpoint_every,
                    replicas and bool(configured) and getattr(cfg, "audit_checkpoints", False),
                    replicas and layout.checks_reduction,
-                   layout.checks_weights or not replicas)  # sharded: check 3 needs a second replica of each shard
+                   layout.checks_weights or not replicas,  # sharded: check 3 needs a second replica of each shard
+                   mesh.tp if mesh is not None else 1)
 
     def audits(self, step: int) -> bool:
         if self.audit_checkpoints and self.checkpoints(step):
@@ -163,7 +168,7 @@ def judge_faults(faults: Iterable[FaultSpec | str], alarms: Iterable[Mapping[str
         else:
             unexplained.remove(match)
             row["alarm"], row["named"] = match["id"], list(match["suspect_ranks"])
-            row["outcome"] = _attribution(fault, match)
+            row["outcome"] = _attribution(fault, match, plan.tp)
             if resumed_at is not None and match["id"] in resumed_at:
                 row["resume_step"] = resumed_at[match["id"]]
                 unsafe = _unsafe_resume(fault, match, row["resume_step"])
@@ -192,13 +197,23 @@ def _unsafe_resume(fault: FaultSpec, alarm: Mapping[str, Any], resume_step: int)
     return None
 
 
-def _attribution(fault: FaultSpec, alarm: Mapping[str, Any]) -> str:
+def _attribution(fault: FaultSpec, alarm: Mapping[str, Any], tp: int = 1) -> str:
     named = list(alarm["suspect_ranks"])
     if fault.info.corrupts == "reduce":
         return CAUGHT if not named else MISATTRIBUTED
     if alarm["ambiguous"]:
         return AMBIGUOUS if fault.rank in named else MISATTRIBUTED
-    return CAUGHT if named == [fault.rank] else MISATTRIBUTED
+    return CAUGHT if named == expected_suspects(fault, tp) else MISATTRIBUTED
+
+
+def expected_suspects(fault: FaultSpec, tp: int = 1) -> list[int]:
+    """Who a caught fault must name: its rank, or — for a fault in a rank's forward under tensor
+    parallelism — the rank's whole TP group (consecutive ranks), which the activation collectives
+    all reach alike."""
+    if tp > 1 and fault.info.corrupts == "forward" and fault.rank is not None:
+        first = fault.rank - fault.rank % tp
+        return list(range(first, first + tp))
+    return [fault.rank]
 
 
 def _first_weight_check(fault: FaultSpec, plan: Schedule) -> int | None:

@@ -56,13 +56,12 @@ from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 
 from .. import checkpoint as ckpt
 from ..buckets import settle_buckets
-from ..checks.exchange import gather_objects
 from ..checks.replay import replay_mode
 from ..checks.weights import fingerprint_weights
 from ..config import Config
 from ..errors import ConfigurationError
-from ..manifest import resumed_history
 from ..guard import Guard
+from .base import adopt, agree
 
 __all__ = ["fabric_guard"]
 
@@ -176,7 +175,14 @@ class _PrecisionForward:
 
 class _Checkpoints:
     """``fabric.save`` / ``fabric.load`` through the Guard: the strategy's own ``save_checkpoint``
-    and ``load_checkpoint`` replaced on that one strategy object."""
+    and ``load_checkpoint`` replaced on that one strategy object.
+
+    A patch, kept on purpose: Fabric's extension points do not reach here. ``fabric_guard`` gets a
+    Fabric the user already built and launched, so a ``Strategy`` subclass (chosen at
+    ``Fabric(strategy=...)``) is not ours to pick; and a ``CheckpointIO`` plugin is called on
+    global rank 0 only, after the state was converted, while check 3 is a collective every rank
+    must run before anything is written (and the load check must run on every rank before Fabric
+    reads the file)."""
 
     __slots__ = ("guard", "strategy", "expect_step", "expect_sha256", "fabric_load")
 
@@ -221,16 +227,15 @@ class _Checkpoints:
             manifest = self._manifest(path)
         except (ckpt.CheckpointError, OSError) as exc:
             failure = f"{type(exc).__name__}: {exc}"
-        self._agree(failure)
+        agree(self.guard, failure)
         loaded = self.fabric_load(path, state, strict, weights_only)
         if manifest is None or not self._loads_model(state):
             return loaded
         guard = self.guard
         found = fingerprint_weights(guard.named_parameters).digest.hex()
-        self._agree(None if found == manifest["weight_digest"] else
-                    f"the weights Fabric loaded have digest {found}, {path}'s manifest says {manifest['weight_digest']}")
-        step = int(manifest["step"])
-        guard.resumed(step, resumed_history(path, manifest), manifest["weight_digest"])
+        agree(guard, None if found == manifest["weight_digest"] else
+              f"the weights Fabric loaded have digest {found}, {path}'s manifest says {manifest['weight_digest']}")
+        adopt(guard, path, manifest, manifest["weight_digest"])
         return loaded
 
     def _manifest(self, path: str) -> dict[str, Any] | None:
@@ -242,17 +247,6 @@ class _Checkpoints:
                 log.warning("sdcguard: %s has no manifest: loading a file sdcguard did not verify", path)
             return None
         return ckpt.verified_manifest(path, expect_step=self.expect_step, expect_sha256=self.expect_sha256)
-
-    def _agree(self, failure: str | None) -> None:
-        """Raise the same CheckpointError on every rank when any rank's check failed (a rank that
-        went on would wait for the others in Fabric's barrier)."""
-        guard = self.guard
-        failures: list[str | None] = [failure]
-        if not guard.solo:
-            failures = gather_objects(failure, guard.group, guard.device)  # JSON, never a pickle
-        found = [(rank, f) for rank, f in enumerate(failures) if f is not None]
-        if found:
-            raise ckpt.CheckpointError("; ".join(f"rank {rank}: {f}" for rank, f in found))
 
     def _model_key(self, state: Any) -> str | None:
         """The key of ``state`` that holds the guarded model (Fabric has unwrapped it to DDP)."""

@@ -57,10 +57,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from .. import checkpoint as file_checkpoint
 from .. import recovery
 from ..buckets import settle_buckets
-from ..checks.exchange import broadcast_json
 from ..checks.replay import replay_mode
 from ..config import Config
-from ..manifest import resumed_history, verification_fields
+from ..manifest import verification_fields
 from ..contract.alarm import now_rfc3339
 from ..contract.spool import write_json_atomic
 from ..errors import ConfigurationError
@@ -70,7 +69,7 @@ from ..checkpoint_folder import MANIFEST_NAME, SCHEMA, WEIGHTS_FILE, verify_fold
 from ..checkpoint_folder import hash_folder as _hash_folder
 from ..checkpoint_folder import weights_digest as _weights_digest
 from ..sharding.dcp_manifest import identity as _identity
-from ..step import Step
+from .base import HeldStep, adopt, rank0_outcome
 
 __all__ = ["SdcguardTrainer", "SdcguardCallback", "accelerate_guard", "verify_folder", "MANIFEST_NAME"]
 
@@ -86,7 +85,7 @@ class SdcguardCallback(TrainerCallback):
         self.trainer = trainer
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer._end_step(None)
+        self.trainer._held.close(None)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.trainer.guard is not None:
@@ -115,7 +114,8 @@ class SdcguardTrainer(Trainer):
         self.sdcguard_reduce_hook = sdcguard_reduce_hook
         self.sdcguard_reduce_state = sdcguard_reduce_state
         self.guard: Guard | None = None
-        self._step: Step | None = None
+        self._held = HeldStep()
+        """The optimizer step in progress: opened at its first micro-batch, closed in on_optimizer_step."""
         self._resumed: tuple[str, dict[str, Any]] | None = None
         self._settle_pending = False
         self.add_callback(SdcguardCallback(self))
@@ -130,10 +130,9 @@ class SdcguardTrainer(Trainer):
         if self._settle_pending and (self.guard is None or self.guard.model is not model):
             self._settle_buckets(model, inputs, num_items_in_batch)
         guard = self._guard_for(model)
-        if self._step is None:
-            self._step = guard.step(self.state.global_step + 1, micro_batches=self.current_gradient_accumulation_steps)
-            self._step.__enter__()
-        s = self._step
+        s = self._held.current
+        if s is None:
+            s = self._held.open(guard, self.state.global_step + 1, self.current_gradient_accumulation_steps)
         try:
             cp_context, inputs = self._prepare_context_parallel_inputs(model, inputs)
             with cp_context():
@@ -146,7 +145,7 @@ class SdcguardTrainer(Trainer):
             if len(s.batches) == s.micro_batches:
                 s.check()  # before the Trainer clips and steps: raises on every rank alike
         except BaseException as exc:
-            self._end_step(exc)
+            self._held.close(exc)
             raise
         return loss / divide_by if divide_by is not None else loss
 
@@ -173,7 +172,7 @@ class SdcguardTrainer(Trainer):
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException as exc:
-            self._end_step(exc)  # a step still open (an error between check and update) ends failed
+            self._held.close(exc)  # a step still open (an error between check and update) ends failed
             raise
 
     def _settle_buckets(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> None:
@@ -194,11 +193,6 @@ class SdcguardTrainer(Trainer):
         finally:
             ddp.require_backward_grad_sync = sync
 
-    def _end_step(self, failed: BaseException | None) -> None:
-        s, self._step = self._step, None
-        if s is not None:
-            s.__exit__(None if failed is None else type(failed), failed, None)
-
     def _loss_is_scaled_for_ga(self, num_items_in_batch: Any) -> bool:
         # The Trainer's own rule (training_step): a loss normalised over the accumulated batch is not divided again.
         if self.loss_is_scaled_for_ga is not None:
@@ -213,27 +207,27 @@ class SdcguardTrainer(Trainer):
                                           reduce_state=self.sdcguard_reduce_state)
             if self._resumed is not None:
                 folder, manifest = self._resumed
-                self.guard.resumed(int(manifest["step"]),
-                                   resumed_history(folder, manifest),
-                                   manifest["weight_digest"])
+                adopt(self.guard, folder, manifest, manifest["weight_digest"])
         return self.guard
 
     # -- checkpoints ---------------------------------------------------------------------------
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        """Check 3, the Trainer's ``checkpoint-N`` folder, its manifest, then the rotation."""
+        """The save gate (no save after an alarm, the step rule, check 3), the Trainer's
+        ``checkpoint-N`` folder, its manifest, then the rotation."""
         guard = self.guard
         if guard is None:  # nothing trained in this call (e.g. a save right after resuming)
             return super()._save_checkpoint(model, trial)
         run_dir = self._get_output_dir(trial=trial)
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if guard.alarms_raised:
-            raise file_checkpoint.CheckpointError(
-                f"refusing to write {folder}: this run raised {guard.alarms_raised} alarm(s) and its state is suspect")
-        step = file_checkpoint.manifest_step(guard.updates_through, self.state.global_step, folder)
-        guard.check_weights(step)  # SDCDetected on every rank before anything is written
+        # checkpoint-N holds the update of step N (sdcguard's steps are the Trainer's global_step values)
+        step = guard.save_gate(folder, self.state.global_step)  # raises on every rank before anything is written
         limit = self.args.save_total_limit
-        self.args.save_total_limit = None  # the Trainer's rotation waits until the manifest is written
+        # The Trainer's rotation waits until the manifest is written: transformers 5.x rotates with the
+        # module-level rotate_checkpoints(save_total_limit=self.args.save_total_limit) at the end of
+        # _save_checkpoint, with no method to override, so the limit is lifted for that call and
+        # _rotate applies it afterwards, sparing what an alarm may still name.
+        self.args.save_total_limit = None
         try:
             super()._save_checkpoint(model, trial)
         finally:
@@ -295,16 +289,8 @@ def _record_folder(guard: Guard, folder: str, step: int) -> recovery.History:
         dist.barrier(group=guard.group)  # each rank writes its own rng_state_<rank>.pth
     history = guard.history
     plan = recovery.plan_save(history, folder, step, keep=False)  # a folder written again is not kept
-    outcome: dict[str, Any] = {"failure": None, "sha256": None}
-    if guard.topology.rank == 0:
-        try:
-            outcome["sha256"] = _write_manifest(guard, Path(folder), step, plan)
-        except (file_checkpoint.CheckpointError, OSError) as exc:
-            outcome["failure"] = f"{type(exc).__name__}: {exc}"
-    if not guard.solo:
-        outcome = broadcast_json(outcome if guard.topology.rank == 0 else None, 0, guard.device, guard.group)
-    if outcome["failure"] is not None:
-        raise file_checkpoint.CheckpointError(f"checkpoint {folder} has no manifest: {outcome['failure']}")
+    outcome = rank0_outcome(guard, lambda: {"sha256": _write_manifest(guard, Path(folder), step, plan)},
+                            f"checkpoint {folder} has no manifest")
     saved = recovery.Checkpoint(step, folder, history.last_audited_step, outcome["sha256"])
     return recovery.after_save(history, plan, saved, None)
 
@@ -329,11 +315,15 @@ def _write_manifest(guard: Guard, folder: Path, step: int, plan: recovery.SavePl
 
 def _rotate(guard: Guard, run_dir: str, limit: int | None, best: str | None, writer: bool) -> recovery.History:
     """The Trainer's ``save_total_limit`` rotation (oldest first; the newest and the best model
-    kept), sparing the folders a later alarm may still name; deleted folders leave the history."""
+    kept), sparing the folders a later alarm may still name (``recovery.nameable``); rank 0
+    deletes, every rank learns which, and deleted folders leave the history."""
     history = guard.history
-    deleted: list[str] = []
-    if guard.topology.rank == 0 and writer and limit is not None and limit > 0:
-        needed = {os.path.normpath(c.path) for c in _nameable(history)}
+
+    def rotate() -> dict[str, Any]:
+        deleted: list[str] = []
+        if not writer or limit is None or limit <= 0:
+            return {"deleted": deleted}
+        needed = {os.path.normpath(c.path) for c in recovery.nameable(history)}
         folders = [os.path.normpath(f) for f in sort_checkpoints(run_dir, use_mtime=False, best_model_checkpoint=best)]
         protected = (set(folders[-1:]) | needed | ({os.path.normpath(best)} if best else set())) & set(folders)
         remaining = len(folders)
@@ -347,20 +337,7 @@ def _rotate(guard: Guard, run_dir: str, limit: int | None, best: str | None, wri
         if remaining > limit:
             log.warning("sdcguard: %d checkpoint folders kept (save_total_limit=%d): a later alarm may still name %s",
                         remaining, limit, sorted(needed - set(folders[-1:])))
-    if not guard.solo:
-        deleted = broadcast_json(deleted if guard.topology.rank == 0 else None, 0, guard.device, guard.group)
-    gone = set(deleted)
+        return {"deleted": deleted}
+
+    gone = set(rank0_outcome(guard, rotate, f"rotating the checkpoints in {run_dir}")["deleted"])
     return replace(history, checkpoints=[c for c in history.checkpoints if os.path.normpath(c.path) not in gone])
-
-
-def _nameable(history: recovery.History) -> list[recovery.Checkpoint]:
-    """The checkpoints a later alarm can name besides the newest: for each check, the newest
-    cross-checked one at or before the step it last cleared (its window starts after that step;
-    a later pass only moves the window on, to this checkpoint or a newer one)."""
-    named = []
-    for cleared in (history.last_audited_step, history.last_weights_verified_step,
-                    history.last_reduction_verified_step):
-        older = [c for c in history.checkpoints if cleared is not None and c.step <= cleared and c.cross_checked]
-        if older:
-            named.append(max(older, key=lambda c: c.step))
-    return named

@@ -48,9 +48,9 @@ from ..checks.replay import replay_mode, replaying
 from ..checks.weights import fingerprint_weights
 from ..config import Config
 from ..errors import ConfigurationError
-from ..manifest import resumed_history
 from ..guard import Guard
 from ..step import Step
+from .base import HeldStep, adopt, agree
 
 __all__ = ["GuardedDDPStrategy", "GuardedFSDPStrategy", "GuardedModelParallelStrategy", "training_step_loss"]
 
@@ -78,7 +78,7 @@ class _CheckedSteps:
     Mixed in before a Lightning strategy class, whose methods ``super()`` reaches."""
 
     guard: Guard | None
-    _step: Step | None
+    _held: HeldStep
     _resumed: tuple[str, dict[str, Any]] | None
 
     def _init_checks(self, config: Config | None, expect_step: int | None, expect_sha256: str | None) -> None:
@@ -89,7 +89,8 @@ class _CheckedSteps:
         # State.
         self.guard = None
         """Built in ``setup`` once the module is wrapped (DDP) or sharded, and the optimizer exists."""
-        self._step = None
+        self._held = HeldStep()
+        """The optimizer step in progress: opened at its first training_step, closed after the update."""
         self._resumed = None
 
     def _refuse_unchecked(self) -> None:
@@ -124,7 +125,7 @@ class _CheckedSteps:
         guard = self.guard
         if guard is None or not self.lightning_module.training:  # type: ignore[attr-defined]
             return super().training_step(*args, **kwargs)  # type: ignore[misc]
-        s = self._step if self._step is not None else self._open_step()
+        s = self._held.current if self._held.current is not None else self._open_step()
         if len(s.batches) >= s.micro_batches:
             raise RuntimeError(f"sdcguard: step {s.step} declared {s.micro_batches} micro-batches, Lightning ran "
                                f"another training_step before the optimizer step (did optimizer_step skip "
@@ -135,7 +136,7 @@ class _CheckedSteps:
         return output
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        s = self._step
+        s = self._held.current
         if s is None or self.guard is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
         # Lightning's automatic optimization backpropagates training_step's loss / accumulate_grad_batches.
@@ -148,25 +149,22 @@ class _CheckedSteps:
         # The last micro-batch's training_step and backward (DDP reduces here); the first of a resumed
         # run (accumulate_grad_batches=1) builds the Guard in there.
         result = closure()
-        s = self._step
+        s = self._held.current
         if s is None:
             raise RuntimeError("sdcguard: optimizer step without a training_step in this step")
         try:
             s.check()  # checks 1 and 4 (2 and 3 on audit steps): raise on every rank alike
             output = super().optimizer_step(optimizer, lambda: result, model, **kwargs)  # type: ignore[misc]
         except BaseException as exc:
-            self._close_step(exc)
+            self._held.close(exc)
             raise
-        self._close_step(None)  # check 3 on weight-check steps
+        self._held.close(None)  # check 3 on weight-check steps
         return output
 
     def _open_step(self) -> Step:
         assert self.guard is not None
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
-        s = self.guard.step(trainer.global_step, micro_batches=self._window(trainer))
-        s.__enter__()
-        self._step = s
-        return s
+        return self._held.open(self.guard, trainer.global_step, self._window(trainer))
 
     @staticmethod
     def _window(trainer: Any) -> int:
@@ -179,14 +177,8 @@ class _CheckedSteps:
             return max(1, min(accumulate, total - batch_idx))
         return accumulate
 
-    def _close_step(self, failed: BaseException | None) -> None:
-        s, self._step = self._step, None
-        if s is not None:
-            s.__exit__(None if failed is None else type(failed), failed, None)
-
     def on_exception(self, exception: BaseException) -> None:
-        if self._step is not None:  # a step cut short (e.g. training_step raised): close it unapplied
-            self._close_step(exception)
+        self._held.close(exception)  # a step cut short (e.g. training_step raised) ends unapplied
         super().on_exception(exception)  # type: ignore[misc]
 
     def teardown(self) -> None:
@@ -209,18 +201,14 @@ class _CheckedSteps:
             return super().remove_checkpoint(filepath)  # type: ignore[misc]
         path = os.fspath(filepath)
         history = guard.history
-        floor = recovery.resume_floor(history)
-        entries = [c for c in history.checkpoints if c.path == path]
-        others = [c for c in history.checkpoints if c.path != path]
-        keep = [c for c in entries if guard.config.keep_resume_points and c.cross_checked
-                and (floor is None or c.step >= floor) and not any(o.step == c.step for o in others)]
+        keep = recovery.worth_keeping(history, path) if guard.config.keep_resume_points else None
         kept_as = None
         if self.is_global_zero:  # type: ignore[attr-defined]
-            if keep:
-                kept_as = self._keep(keep[0])
+            if keep is not None:
+                kept_as = self._keep(keep)
                 if kept_as is not None:
                     log.warning("sdcguard: %s held step %d, which a later alarm may still name as its resume point: "
-                                "kept as %s", path, keep[0].step, kept_as)
+                                "kept as %s", path, keep.step, kept_as)
             if os.path.lexists(path):
                 super().remove_checkpoint(filepath)  # type: ignore[misc]
             ckpt.manifest_path(path).unlink(missing_ok=True)
@@ -229,7 +217,7 @@ class _CheckedSteps:
         for c in history.checkpoints:
             if c.path != path:
                 entries_after.append(c)
-            elif keep and c is keep[0] and kept_as is not None:
+            elif c is keep and kept_as is not None:
                 entries_after.append(dataclasses.replace(c, path=kept_as, kept_from=path))
         history.checkpoints = entries_after
 
@@ -316,15 +304,14 @@ class GuardedDDPStrategy(_CheckedSteps, DDPStrategy):
         return loaded
 
     def _adopt_resumed(self, path: str, manifest: dict[str, Any]) -> None:
-        """The run resumed from ``path``: its weights must be the manifest's, and its history is."""
+        """The run resumed from ``path``: its weights must be the manifest's (on every rank), and its
+        history is."""
         guard = self.guard
         assert guard is not None
         found = fingerprint_weights(guard.named_parameters).digest.hex()
-        if found != manifest["weight_digest"]:
-            raise ckpt.CheckpointError(f"{path}: the weights Lightning loaded have digest {found}, its manifest "
-                                       f"says {manifest['weight_digest']}")
-        step = int(manifest["step"])
-        guard.resumed(step, resumed_history(path, manifest), manifest["weight_digest"])
+        agree(guard, None if found == manifest["weight_digest"] else
+              f"{path}: the weights Lightning loaded have digest {found}, its manifest says {manifest['weight_digest']}")
+        adopt(guard, path, manifest, manifest["weight_digest"])
         self._resumed = None
 
 

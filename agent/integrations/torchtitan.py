@@ -13,26 +13,31 @@ section more, ``sdcguard`` (:class:`SDCGuardConfig`, also on the command line:
 
 or ``guarded(llama3_debugmodel())`` for a config a registry function returns.
 
-torchtitan has no hook around its step, so the patch point is ``Trainer.train_step``, the method its
-own experiments override (``experiments/torchft``, ``graph_trainer``): :meth:`GuardedTrainer.train_step` is
-torchtitan's, line for line (the token count, the micro-batches, ``clip_grad_norm_``, the
-optimizers and schedulers, the metrics), with the forward and backward of each micro-batch run
-through ``guard.step`` / ``s.backward`` and ``s.check()`` before the clipping, so an update is
-never applied unchecked. The Guard is built in ``__init__`` after torchtitan parallelized the model
+The step: torchtitan's own ``Trainer.train_step`` runs unchanged (the token count, the
+micro-batches, ``clip_grad_norm_``, the optimizers and schedulers, the metrics); sdcguard
+overrides the two methods torchtitan's trainer is built to have overridden. ``train_step`` holds
+one ``guard.step`` open around torchtitan's, and ``forward_backward_step`` (called once per
+micro-batch) runs the micro-batch's forward and backward as ``s.backward``, then, after the last
+one and so before torchtitan clips and steps, ``s.check()``: an update is never applied
+unchecked. The step closes (check 3 on weight-check steps) once torchtitan's ``train_step``
+returned. The Guard is built in ``__init__`` after torchtitan parallelized the model
 (``fully_shard`` on each block and the root) and built its optimizers: sdcguard's sharded checks
 (``sdcguard.sharding``) then read torchtitan's mesh. A check that fires raises ``SDCDetected``
 from ``train_step`` on every rank alike; ``Trainer.train`` lets it through, and torchtitan's
 ``train.py`` closes the trainer and re-raises: the run stops, the alarm is in the spool.
 
-Checkpoints: torchtitan's checkpointer writes its DCP folders ``step-N`` itself; with
-``sdcguard.check_checkpoints`` (default on) check 3 runs before each save torchtitan makes (a
-replica that differs raises ``SDCDetected`` and nothing is written; no save after an alarm), and
-once every rank's files are written rank 0 adds sdcguard's sharded manifest beside them
-(``sharding/dcp_manifest.py``: every file's SHA-256, each shard's fingerprint digest and ranks, the
-mesh, the step, the audit it is covered by); the checkpoint enters the run's history, so an alarm
-can name it as ``last_good_checkpoint``. Before torchtitan loads a folder (a resume), it is checked
-against its manifest (``sdcguard verify-checkpoint`` checks one offline), and after the load every
-rank's shards against the digest recorded: a folder that differs is refused on every rank.
+Checkpoints: :class:`GuardedCheckpointManager` is torchtitan's DCP ``CheckpointManager`` with its
+``_save`` / ``_load`` hooks (the ones torchtitan's ``BaseCheckpointManager`` has subclasses
+override) extended; ``GuardedTrainer.Config`` builds it in place of torchtitan's own. With
+``sdcguard.check_checkpoints`` (default on) every save torchtitan makes passes the Guard's save
+gate first (no save after an alarm, the step rule, check 3: a replica that differs raises
+``SDCDetected`` and nothing is written), and once every rank's files are written rank 0 adds
+sdcguard's sharded manifest beside them (``sharding/dcp_manifest.py``: every file's SHA-256, each
+shard's fingerprint digest and ranks, the mesh, the step, the audit it is covered by); the
+checkpoint enters the run's history, so an alarm can name it as ``last_good_checkpoint``. Before
+torchtitan loads a folder (a resume), it is checked against its manifest (``sdcguard
+verify-checkpoint`` checks one offline), and after the load every rank's shards against the
+digest recorded: a folder that differs is refused on every rank.
 """
 from __future__ import annotations
 
@@ -48,18 +53,17 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config as GuardConfig
-from ..checkpoint import CheckpointError
-from ..manifest import resumed_history, verification_fields
 from ..errors import ConfigurationError
+from ..manifest import verification_fields
+from .base import HeldStep, adopt, agree, rank0_outcome
 
 try:
-    from torchtitan.components.loss import IGNORE_INDEX
-    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.trainer import Trainer
 except ImportError as exc:  # pragma: no cover - the extra is not installed
     raise ImportError("sdcguard.integrations.torchtitan needs torchtitan (pip install 'sdcguard[torchtitan]')") from exc
 
-__all__ = ["SDCGuardConfig", "GuardedTrainer", "guarded"]
+__all__ = ["SDCGuardConfig", "GuardedCheckpointManager", "GuardedTrainer", "guarded"]
 
 log = logging.getLogger("sdcguard")
 
@@ -87,6 +91,128 @@ class SDCGuardConfig:
     """The module whose output forward faults strike, unless a fault names its own."""
 
 
+class GuardedCheckpointManager(CheckpointManager):
+    """torchtitan's DCP checkpoint manager whose saves pass the Guard's save gate and get sdcguard's
+    manifest, and whose loads are verified against it (see the module docstring). Without a Guard
+    (``guard`` None: sdcguard off, or ``check_checkpoints`` off) it is torchtitan's manager."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        """torchtitan's ``checkpoint`` section, unchanged; declared so that ``build()`` builds this
+        class (``BaseCheckpointManager``'s rule for subclasses)."""
+
+    guard: Any = None
+    """The Guard the checkpoints go through. torchtitan builds this manager inside
+    ``Trainer.__init__``, before the Guard can exist, so :class:`GuardedTrainer` sets it after."""
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        guard = self.guard
+        if guard is None or not self._should_save(curr_step, last_step):  # the same answer on every rank
+            return super()._save(curr_step, last_step)
+        # torchtitan's Trainer.train() does step += 1, train_step(), then save(step): the folder of
+        # curr_step holds that step's update, which is the Guard's updates_through (GuardedTrainer's
+        # guard.step is torchtitan's step number, and a resume restores both). Passed, not left out,
+        # so that a numbering that ever disagreed would be refused by the step rule, not recorded.
+        step = guard.save_gate(self._create_checkpoint_id(curr_step), curr_step)
+        saved = super()._save(curr_step, last_step)
+        self.maybe_wait_for_saving()  # async modes: the files must be complete to be hashed
+        self._write_manifest(step)
+        return saved
+
+    def _load(self, step: int = -1) -> bool:
+        guard = self.guard
+        folder = self._load_folder(step) if guard is not None else None
+        manifest = self._verified(folder) if folder is not None else None
+        loaded = super()._load(step)
+        if loaded and folder is not None and manifest is not None:
+            self._adopt(folder, manifest)
+        return loaded
+
+    def _write_manifest(self, step: int) -> None:
+        """sdcguard's manifest for the DCP folder torchtitan just wrote (collective): every file's
+        SHA-256, each shard's fingerprint digest and its ranks, the mesh, the step, the audits it
+        is covered by; the checkpoint then counts in the run's history (an alarm may name it)."""
+        from .. import recovery
+        from ..checks.exchange import gather_objects
+        from ..contract.alarm import now_rfc3339
+        from ..contract.spool import write_json_atomic
+        from ..sharding import dcp_manifest
+
+        guard = self.guard
+        folder = Path(self._create_checkpoint_id(step))
+        names, mine = self._model_report()
+        reports = gather_objects(mine, None, guard.device)
+        history, layout = guard.history, guard.layout.mesh
+        verified = layout.hsdp and guard.last_weights_verified_step == step
+        plan = recovery.plan_save(history, str(folder), step, keep=False)  # torchtitan writes a new folder per step
+
+        def write() -> dict[str, Any]:
+            files = {name: dcp_manifest.sha256_file(folder / name) for name in dcp_manifest.listed(folder)}
+            recorded = {
+                **verification_fields(history, step, str(folder), plan, None),
+                "verified_at": now_rfc3339(), "run_id": guard.topology.run_id, "torch": torch.__version__,
+                "writer": "torchtitan",
+            }
+            manifest = dcp_manifest.build(
+                step=step, files=files, grid=layout.grid, weights_verified=verified, model_key="",
+                state_keys=[k for k in self.states if k != "model"],
+                parameters=names, reports=reports, recorded=recorded)
+            write_json_atomic(dcp_manifest.manifest_file(folder), json.dumps(manifest, indent=2, sort_keys=True))
+            return {"sha256": manifest["sha256"]}
+
+        outcome = rank0_outcome(guard, write, f"sdcguard: no manifest for torchtitan's checkpoint {folder}")
+        saved = recovery.Checkpoint(step, str(folder), history.last_audited_step, outcome["sha256"],
+                                    cross_checked=verified)
+        guard.history = recovery.after_save(history, plan, saved, None)
+
+    def _model_report(self) -> tuple[list[str], dict[str, Any]]:
+        """The model state torchtitan saves (``ModelWrapper.state_dict()``: its key space, e.g. the
+        fused ``wqkv`` split into ``wq`` / ``wk`` / ``wv``, replicated), this rank's part of it:
+        the tensors' names, and the fingerprint digest and chunk of this rank's pieces — what
+        ``dcp_manifest.shard_digests`` recomputes from the files (collective: the split all-gathers)."""
+        from ..fingerprint import digest, fingerprint_many
+        from ..sharding import dcp_manifest
+        state = self.states["model"].state_dict()
+        names = [n for n, t in state.items() if isinstance(t, torch.Tensor)]
+        tensors = [state[n] for n in names]
+        local = [(t.to_local() if hasattr(t, "to_local") else t).detach().contiguous() for t in tensors]
+        return names, {"digest": digest(fingerprint_many(local)).hex(),
+                       "chunks": [dcp_manifest.chunk_of(t) for t in tensors]}
+
+    def _load_folder(self, step: int) -> Path | None:
+        """The ``step-N`` folder torchtitan's ``load(step)`` will read, or None (no checkpoint yet:
+        an initial load from HF weights or a seed is not sdcguard's)."""
+        if not os.path.isdir(self.folder):
+            return None
+        found = self._find_load_step() if step == -1 else step
+        return Path(self._create_checkpoint_id(found)) if found != -1 else None
+
+    def _verified(self, folder: Path) -> dict[str, Any]:
+        """Rank 0 checks ``folder`` against its manifest (every file's SHA-256, every shard's digest
+        recomputed from the files) before any rank loads it; the verdict reaches every rank."""
+        from ..sharding import dcp_manifest
+
+        def verify() -> dict[str, Any]:
+            dcp_manifest.verify_directory(folder)
+            return {"manifest": dcp_manifest.read(folder)}
+
+        return rank0_outcome(self.guard, verify, f"sdcguard: refusing to resume from {folder}")["manifest"]
+
+    def _adopt(self, folder: Path, manifest: dict[str, Any]) -> None:
+        """The verified checkpoint is this run's starting point: its step, what it was covered by,
+        and — after torchtitan loaded it — each rank's shards against the digest the manifest records."""
+        from ..sharding.shard_weights import fingerprint_shards
+        guard = self.guard
+        layout = guard.layout.mesh
+        shard = layout.coordinates(layout.rank)["shard"]
+        names, mine = self._model_report()
+        ok = names == manifest["parameters"] and mine["digest"] == manifest["shards"][shard]["digest"]
+        agree(guard, None if ok else f"sdcguard: the weights torchtitan loaded from {folder} are not those its "
+                                     "manifest records")
+        adopt(guard, str(folder), manifest,
+              fingerprint_shards(guard.named_parameters).digest.hex() if manifest.get("weights_verified") else None)
+
+
 class GuardedTrainer(Trainer):
     """torchtitan's ``Trainer`` with sdcguard's checks in every step (see the module docstring)."""
 
@@ -94,14 +220,28 @@ class GuardedTrainer(Trainer):
     class Config(Trainer.Config):
         sdcguard: SDCGuardConfig = field(default_factory=SDCGuardConfig)
 
+        def __post_init__(self) -> None:
+            Trainer.Config.__post_init__(self)
+            if type(self.checkpoint) is CheckpointManager.Config:  # torchtitan's own: built as the guarded one
+                values = {f.name: getattr(self.checkpoint, f.name) for f in dataclasses.fields(self.checkpoint) if f.init}
+                self.checkpoint = GuardedCheckpointManager.Config(**values)
+
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.guard: Any = None
         self.injector: Any = None
+        self._held = HeldStep()
+        """The optimizer step in progress: opened at its first micro-batch, closed after the update."""
         settings = config.sdcguard
         if not settings.enable:
             return
         _require_checkable(self)
+        checkpoints = settings.check_checkpoints and self.checkpointer.enable
+        if checkpoints and not isinstance(self.checkpointer, GuardedCheckpointManager):
+            raise ConfigurationError(
+                f"sdcguard: sdcguard.check_checkpoints needs checkpoints written by GuardedCheckpointManager, not "
+                f"{type(self.checkpointer).__name__}: give checkpoint=GuardedCheckpointManager.Config(...) (or "
+                "subclass it), or set sdcguard.check_checkpoints=False")
         import sdcguard
         defaults = {"audit_every": settings.audit_every, "weight_check_every": settings.weight_check_every}
         if settings.spool is not None:
@@ -112,55 +252,43 @@ class GuardedTrainer(Trainer):
             from ..faults.sharded import ShardedFaultInjector
             self.injector = ShardedFaultInjector(settings.inject, dist.get_rank())
             self.injector.install(self.guard, param=settings.fault_param, site=settings.fault_site)
-        if settings.check_checkpoints and self.checkpointer.enable:
-            self._cover_checkpoints()
+        if checkpoints:
+            self.checkpointer.guard = self.guard
 
     # -- the step --------------------------------------------------------------------------------
 
     def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
-        """torchtitan's ``Trainer.train_step`` with each micro-batch's forward and backward run
-        through the Guard, and the checks before the clipping and the update."""
-        guard = self.guard
-        if guard is None:
+        """torchtitan's ``Trainer.train_step`` as one ``guard.step``: opened by its first
+        micro-batch (:meth:`forward_backward_step`), closed once torchtitan clipped, stepped the
+        optimizers and schedulers and logged (check 3 on weight-check steps), or with the error
+        that cut it short."""
+        if self.guard is None:
             return super().train_step(data_iterator)
         if self.injector is not None:
             self.injector.begin_step(self.step)
-        self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
-        lr_metrics = self.lr_schedulers.get_metrics()
-        should_log = self.metrics_processor.should_log(self.step)
-        parallel_dims = self.parallel_dims
-        microbatches: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []
-        local_valid_tokens = torch.tensor(0, dtype=torch.int64)
-        for _ in range(self.gradient_accumulation_steps):
-            input_dict, labels = next(data_iterator)
-            local_valid_tokens += (labels != IGNORE_INDEX).sum()
-            microbatches.append((input_dict, labels))
-        if parallel_dims.dp_enabled:
-            global_valid_tokens = dist_utils.dist_sum_tensor(local_valid_tokens.to(self.device),
-                                                             parallel_dims.get_mesh("batch"))
-        else:
-            global_valid_tokens = local_valid_tokens.to(self.device)
+        try:
+            super().train_step(data_iterator)
+        except BaseException as exc:
+            self._held.close(exc)
+            raise
+        self._held.close(None)
 
-        accumulated_loss: torch.Tensor | None = None
-        with guard.step(self.step, micro_batches=len(microbatches)) as s:
-            for input_dict, labels in microbatches:
-                micro = ({k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in input_dict.items()},
-                         labels.to(self.device), global_valid_tokens)
-                # torchtitan's loss is already this rank's share (a sum over the global token count):
-                # its backward, unweighted
-                loss = s.backward(micro)
-                accumulated_loss = loss.clone() if accumulated_loss is None else accumulated_loss.add_(loss)
-            s.check()  # checks 1 and 4 (2 and 3 on audit steps) before any update, on every rank alike
-            grad_norm = dist_utils.clip_grad_norm_(
-                [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm,
-                foreach=True, pp_mesh=parallel_dims.get_optional_mesh("pp"), ep_enabled=parallel_dims.ep_enabled)
-            self.checkpointer.maybe_wait_for_staging()
-            self.optimizers.step()
-            self.lr_schedulers.step()
-        # leaving the guarded step ran check 3 on weight-check steps
-        if should_log:
-            assert accumulated_loss is not None
-            self._log_step(accumulated_loss, local_valid_tokens, global_valid_tokens, grad_norm, lr_metrics)
+    def forward_backward_step(self, *, input_dict: Any, labels: Any, global_valid_tokens: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's forward and backward through the Guard (``s.backward``, what
+        ``_forward_backward_body`` computes); after the step's last one, ``s.check()``: checks 1
+        and 4 (2 and 3 on audit steps) before torchtitan clips and updates, on every rank alike."""
+        guard = self.guard
+        if guard is None:
+            return super().forward_backward_step(input_dict=input_dict, labels=labels,
+                                                 global_valid_tokens=global_valid_tokens)
+        s = self._held.current
+        if s is None:
+            s = self._held.open(guard, self.step, self.gradient_accumulation_steps)
+        # torchtitan's loss is already this rank's share (a sum over the global token count): its backward, unweighted
+        loss = s.backward((dict(input_dict), labels, global_valid_tokens))
+        if len(s.batches) == s.micro_batches:
+            s.check()
+        return loss
 
     def _loss_of(self, module: torch.nn.Module, micro: tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]
                  ) -> torch.Tensor:
@@ -178,142 +306,6 @@ class GuardedTrainer(Trainer):
             loss, _ = self.loss_fn(pred, labels, global_valid_tokens, **loss_kwargs)
         return loss
 
-    def _log_step(self, accumulated_loss: torch.Tensor, local_valid_tokens: torch.Tensor,
-                  global_valid_tokens: torch.Tensor, grad_norm: torch.Tensor, lr_metrics: dict[str, Any]) -> None:
-        """The metrics of ``Trainer.train_step``, computed as it computes them."""
-        import math
-        parallel_dims = self.parallel_dims
-        if parallel_dims.dp_cp_enabled:
-            loss_mesh = parallel_dims.get_optional_mesh("loss")
-            local_avg_loss = accumulated_loss * global_valid_tokens / local_valid_tokens
-            global_avg_loss, global_max_loss, global_ntokens_seen = (
-                dist_utils.dist_sum(accumulated_loss, loss_mesh), dist_utils.dist_max(local_avg_loss, loss_mesh),
-                dist_utils.dist_sum(torch.tensor(self.ntokens_seen, dtype=torch.int64, device=self.device), loss_mesh))
-        else:
-            global_avg_loss = global_max_loss = float(accumulated_loss.item())
-            global_ntokens_seen = self.ntokens_seen
-        if not math.isfinite(global_avg_loss):
-            raise RuntimeError(f"Loss is not finite (global_avg_loss={global_avg_loss}) at step {self.step}. "
-                               "Stopping training.")
-        self.metrics_processor.log(self.step, global_avg_loss, global_max_loss, float(grad_norm.item()),
-                                   extra_metrics={"n_tokens_seen": global_ntokens_seen, **lr_metrics})
-
-    # -- checkpoints -----------------------------------------------------------------------------
-
-    def _cover_checkpoints(self) -> None:
-        """Check 3 before each save torchtitan's checkpointer makes (none after an alarm) and
-        sdcguard's manifest once its files are written; a folder verified against its manifest
-        before torchtitan loads it."""
-        checkpointer = self.checkpointer
-        save, load = checkpointer.save, checkpointer.load
-        trainer = self
-
-        def checked_save(curr_step: int, last_step: bool = False) -> bool:
-            due = checkpointer._should_save(curr_step, last_step)  # the same answer on every rank
-            if due:
-                if trainer.guard.alarms_raised:
-                    raise CheckpointError(f"sdcguard: refusing torchtitan's checkpoint of step {curr_step}: this "
-                                          f"run raised {trainer.guard.alarms_raised} alarm(s) and its state is suspect")
-                trainer.guard.check_weights(curr_step)  # raises SDCDetected on every rank when a replica differs
-            saved = save(curr_step, last_step=last_step)
-            if due:
-                checkpointer.maybe_wait_for_saving()  # async modes: the files must be complete to be hashed
-                trainer._write_manifest(curr_step)
-            return saved
-
-        def verified_load(step: int = -1) -> bool:
-            folder = trainer._load_folder(step)
-            manifest = None
-            if folder is not None:
-                manifest = _verify_everywhere(folder, trainer.guard.device)
-            loaded = load(step)
-            if loaded and manifest is not None:
-                trainer._resumed(folder, manifest)
-            return loaded
-
-        checkpointer.save = checked_save  # type: ignore[method-assign]
-        checkpointer.load = verified_load  # type: ignore[method-assign]
-
-    def _write_manifest(self, step: int) -> None:
-        """sdcguard's manifest for the DCP folder torchtitan just wrote (collective): every file's
-        SHA-256, each shard's fingerprint digest and its ranks, the mesh, the step, the audits it
-        is covered by; the checkpoint then counts in the run's history (an alarm may name it)."""
-        from .. import recovery
-        from ..checks.exchange import broadcast_json, gather_objects
-        from ..contract.alarm import now_rfc3339
-        from ..contract.spool import write_json_atomic
-        from ..sharding import dcp_manifest
-
-        guard = self.guard
-        folder = Path(self.checkpointer._create_checkpoint_id(step))
-        names, mine = self._model_report()
-        reports = gather_objects(mine, None, guard.device)
-        history, layout = guard.history, guard.layout.mesh
-        verified = layout.hsdp and guard.last_weights_verified_step == step
-        plan = recovery.plan_save(history, str(folder), step, keep=False)  # torchtitan writes a new folder per step
-        outcome: dict[str, Any] = {"failure": None, "sha256": None}
-        if dist.get_rank() == 0:
-            try:
-                files = {name: dcp_manifest.sha256_file(folder / name) for name in dcp_manifest.listed(folder)}
-                recorded = {
-                    **verification_fields(history, step, str(folder), plan, None),
-                    "verified_at": now_rfc3339(), "run_id": guard.topology.run_id, "torch": torch.__version__,
-                    "writer": "torchtitan",
-                }
-                manifest = dcp_manifest.build(
-                    step=step, files=files, grid=layout.grid, weights_verified=verified, model_key="",
-                    state_keys=[k for k in self.checkpointer.states if k != "model"],
-                    parameters=names, reports=reports, recorded=recorded)
-                write_json_atomic(dcp_manifest.manifest_file(folder), json.dumps(manifest, indent=2, sort_keys=True))
-                outcome["sha256"] = manifest["sha256"]
-            except (CheckpointError, OSError) as exc:
-                outcome["failure"] = f"{type(exc).__name__}: {exc}"
-        outcome = broadcast_json(outcome if dist.get_rank() == 0 else None, 0, guard.device, None)
-        if outcome["failure"] is not None:
-            raise CheckpointError(f"sdcguard: no manifest for torchtitan's checkpoint {folder}: {outcome['failure']}")
-        saved = recovery.Checkpoint(step, str(folder), history.last_audited_step, outcome["sha256"],
-                                    cross_checked=verified)
-        guard.history = recovery.after_save(history, plan, saved, None)
-
-    def _model_report(self) -> tuple[list[str], dict[str, Any]]:
-        """The model state torchtitan saves (``ModelWrapper.state_dict()``: its key space, e.g. the
-        fused ``wqkv`` split into ``wq`` / ``wk`` / ``wv``, replicated), this rank's part of it:
-        the tensors' names, and the fingerprint digest and chunk of this rank's pieces — what
-        ``dcp_manifest.shard_digests`` recomputes from the files (collective: the split all-gathers)."""
-        from ..fingerprint import digest, fingerprint_many
-        from ..sharding import dcp_manifest
-        state = self.checkpointer.states["model"].state_dict()
-        names = [n for n, t in state.items() if isinstance(t, torch.Tensor)]
-        tensors = [state[n] for n in names]
-        local = [(t.to_local() if hasattr(t, "to_local") else t).detach().contiguous() for t in tensors]
-        return names, {"digest": digest(fingerprint_many(local)).hex(),
-                       "chunks": [dcp_manifest.chunk_of(t) for t in tensors]}
-
-    def _load_folder(self, step: int) -> Path | None:
-        """The ``step-N`` folder torchtitan's ``load(step)`` will read, or None (no checkpoint yet:
-        an initial load from HF weights or a seed is not sdcguard's)."""
-        checkpointer = self.checkpointer
-        if not os.path.isdir(checkpointer.folder):
-            return None
-        found = checkpointer._find_load_step() if step == -1 else step
-        return Path(checkpointer._create_checkpoint_id(found)) if found != -1 else None
-
-    def _resumed(self, folder: Path, manifest: dict[str, Any]) -> None:
-        """The verified checkpoint is this run's starting point: its step, what it was covered by,
-        and — after torchtitan loaded it — each rank's shards against the digest the manifest records."""
-        from ..sharding.shard_weights import fingerprint_shards
-        guard = self.guard
-        layout = guard.layout.mesh
-        shard = layout.coordinates(layout.rank)["shard"]
-        names, mine = self._model_report()
-        ok = names == manifest["parameters"] and mine["digest"] == manifest["shards"][shard]["digest"]
-        if not _everyone_agrees(ok, guard.device):
-            raise CheckpointError(f"sdcguard: the weights torchtitan loaded from {folder} are not those its manifest "
-                                  "records")
-        step = int(manifest["step"])
-        guard.resumed(step, resumed_history(str(folder), manifest),
-                      fingerprint_shards(guard.named_parameters).digest.hex() if manifest.get("weights_verified") else None)
-
 
 def guarded(config: Trainer.Config, **settings: Any) -> GuardedTrainer.Config:
     """``config`` (e.g. what ``llama3_debugmodel()`` returns) as a :class:`GuardedTrainer` config,
@@ -322,31 +314,8 @@ def guarded(config: Trainer.Config, **settings: Any) -> GuardedTrainer.Config:
     return GuardedTrainer.Config(**values, sdcguard=SDCGuardConfig(**settings))
 
 
+
 # -- helpers -------------------------------------------------------------------------------------
-
-def _verify_everywhere(folder: Path, device: torch.device) -> dict[str, Any]:
-    """Rank 0 checks ``folder`` against its manifest (every file's SHA-256, every shard's digest
-    recomputed from the files) before any rank loads it; the verdict reaches every rank."""
-    from ..checks.exchange import broadcast_json
-    from ..sharding import dcp_manifest
-    said: dict[str, Any] = {"failure": None, "manifest": None}
-    if dist.get_rank() == 0:
-        try:
-            dcp_manifest.verify_directory(folder)
-            said["manifest"] = dcp_manifest.read(folder)
-        except CheckpointError as exc:
-            said["failure"] = str(exc)
-    said = broadcast_json(said if dist.get_rank() == 0 else None, 0, device, None)
-    if said["failure"] is not None:
-        raise CheckpointError(f"sdcguard: refusing to resume from {folder}: {said['failure']}")
-    return said["manifest"]
-
-
-def _everyone_agrees(ok: bool, device: torch.device) -> bool:
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
-    dist.all_reduce(flag)
-    return int(flag.item()) == 0
-
 
 def _require_checkable(trainer: Trainer) -> None:
     """Refuse, at start-up and with the reason, a torchtitan job whose parallelism sdcguard's

@@ -2,8 +2,9 @@
 
 :func:`build_layout` is the one place that looks at what kind of model it was given: DDP (or
 ``torch.compile`` of it) -> :class:`data_parallel.DataParallel`; a model sharded with FSDP2's
-``fully_shard`` (pure FSDP or HSDP) -> :class:`fsdp.Sharded`; a plain module in one process ->
-:class:`single.SingleProcess`. Everything after it talks to the protocol only.
+``fully_shard`` (pure FSDP or HSDP) -> :class:`fsdp.Sharded`, and with a tensor-parallel dimension
+(``parallelize_module`` first) -> :class:`tensor_parallel.TensorParallel`; a plain module in one
+process -> :class:`single.SingleProcess`. Everything after it talks to the protocol only.
 """
 from __future__ import annotations
 
@@ -36,12 +37,19 @@ def build_layout(model: torch.nn.Module, *, loss_fn: Callable[[torch.nn.Module, 
     if _is_fsdp(module):
         if reduce_hook is not None or not distributed:
             raise TypeError("sdcguard: an FSDP2 model needs a process group, and takes no DDP reduce_hook")
+        from ..sharding.layout import tensor_parallel_columns
         from .fsdp import Sharded
+        from .tensor_parallel import TensorParallel
         device = _collective_device(None)
-        return Sharded(model=module, compiled=compiled, loss_fn=loss_fn,
+        kind = TensorParallel if tensor_parallel_columns(module) is not None else Sharded
+        return kind(model=module, compiled=compiled, loss_fn=loss_fn,
                        topology=gather_topology(config, None, device), device=device, seed=config.seed,
                        optimizer=optimizer, scaler=scaler, zero_update=zero_update)
     if ddp is not None:
+        if any(hasattr(p, "device_mesh") for p in module.parameters()):
+            raise TypeError("sdcguard: DistributedDataParallel over DTensor (tensor-parallel) parameters is not "
+                            "checked: shard the data-parallel dimensions with FSDP2's fully_shard (a replicate-only "
+                            "mesh for plain data parallelism, as torchtitan does)")
         from .data_parallel import DataParallel
         device = _collective_device(ddp.process_group)
         return DataParallel(ddp=ddp, wrappers=wrappers, compiled=compiled, loss_fn=loss_fn,

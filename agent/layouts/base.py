@@ -122,6 +122,11 @@ class Layout(Protocol):
     def annotate(self, verdict: Verdict) -> Verdict:
         """A verdict with the layout's own evidence (e.g. the mesh's dimensions)."""
 
+    def seed_rank(self, rank: int) -> int:
+        """The rank whose forward seeds ``rank``'s micro-batches use (dropout; ``checks/rng``): itself,
+        or the first rank of its tensor-parallel group, whose ranks must drop the same activations.
+        A replay seeds as the owner did (``Payload.owner`` carries it)."""
+
     # -- check 2 ---------------------------------------------------------------------------------
 
     def own_pass(self, s: StepRecord) -> PassResult:

@@ -92,6 +92,9 @@ class DataParallel:
     def annotate(self, verdict: Verdict) -> Verdict:
         return verdict
 
+    def seed_rank(self, rank: int) -> int:
+        return rank
+
     # -- check 2 ---------------------------------------------------------------------------------
 
     def own_pass(self, s: StepRecord) -> PassResult:

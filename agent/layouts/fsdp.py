@@ -27,7 +27,7 @@ from ..sharding.layout import ShardLayout, plain_average, plan_checks, read_layo
 from ..sharding.reduce_record import ShardedRecorder
 from ..sharding.reduction_check import VoteCoefficients, localize_checksum, step_vote
 from ..sharding.replay import ShardedReplayer, labels, own_pass
-from ..sharding.shard_weights import fingerprint_shards, replicas_agree, shard_weights_verdict
+from ..sharding.shard_weights import fingerprint_shards, mesh_evidence, replicas_agree, shard_weights_verdict
 from .base import Scale, StepRecord, Vote, flag_token, local_tensor
 from .stores import DcpStore
 
@@ -46,6 +46,7 @@ class Sharded:
                  scaler: Any, zero_update: Callable[[], contextlib.AbstractContextManager[None]]) -> None:
         require_supported(model)
         self.mesh: ShardLayout = read_layout(model)
+        self.check_mesh(self.mesh, topology)
         if self.mesh.shards == 1:  # FSDP2 copies instead of reduce-scattering: its order is relied on
             require_supported(model, single_shard=True)
         self.module = model
@@ -66,6 +67,14 @@ class Sharded:
         self.store = DcpStore(model=model, optimizer=optimizer, scaler=scaler, named_parameters=self.named_parameters,
                               mesh=self.mesh, topology=topology, device=device, zero_update=zero_update)
         self._told_unchecked = False
+
+    def check_mesh(self, mesh: ShardLayout, topology: Topology) -> None:
+        """Refuse a mesh this layout cannot check (a subclass's own conditions)."""
+        if mesh.tp > 1:
+            raise TypeError("sdcguard: a tensor-parallel FSDP2 model is layouts.tensor_parallel's, not this one")
+
+    def seed_rank(self, rank: int) -> int:
+        return rank
 
     def plan_lines(self) -> list[str]:
         plain = self.checks_reduction
@@ -143,17 +152,19 @@ class Sharded:
 
     def _named_groups(self, verdict: Verdict) -> Verdict:
         """A replay verdict with each suspect's place in the mesh and its shard group."""
-        mesh = self.mesh
-        where = {r: {**mesh.coordinates(r), "shard_group": mesh.shard_group(mesh.coordinates(r)["replica"])}
-                 for r in verdict.suspects}
+        where = {r: self.where(r) for r in verdict.suspects}
         return self.annotate(Verdict(verdict.check, suspects=verdict.suspects, ambiguous=verdict.ambiguous,
                                       evidence={**verdict.evidence, "coordinates": where}))
 
+    def where(self, rank: int) -> dict[str, Any]:
+        """A suspect's place in the mesh, as an alarm's evidence states it."""
+        at = self.mesh.coordinates(rank)
+        return {**at, "shard_group": self.mesh.shard_group(at["replica"], at.get("tp"))}
+
     def annotate(self, verdict: Verdict) -> Verdict:
         """A verdict with the mesh's dimensions in its evidence (the alarm's ``mesh``)."""
-        mesh = {"replicas": self.mesh.replicas, "shards": self.mesh.shards}
         return Verdict(verdict.check, suspects=verdict.suspects, ambiguous=verdict.ambiguous,
-                       evidence={**verdict.evidence, "mesh": mesh})
+                       evidence={**verdict.evidence, "mesh": mesh_evidence(self.mesh)})
 
     # -- check 3 ---------------------------------------------------------------------------------
 

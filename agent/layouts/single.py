@@ -63,6 +63,9 @@ class SingleProcess:
     def annotate(self, verdict: Verdict) -> Verdict:
         return verdict
 
+    def seed_rank(self, rank: int) -> int:
+        return rank
+
     # With no peer none of the following runs (the verifier's single-replica path); they exist so
     # that every layout answers the whole protocol.
 

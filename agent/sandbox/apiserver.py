@@ -222,6 +222,12 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
             self._precondition(request)
         if request.resource is not None and request.subresource is None and \
                 request.action in (enums.action.CREATE, enums.action.UPDATE) and \
+                str(request.resource.plural) in ("configmaps", "secrets") and not request.resource.group:
+            invalid = self._config_limits(request)
+            if invalid is not None:
+                return invalid
+        if request.resource is not None and request.subresource is None and \
+                request.action in (enums.action.CREATE, enums.action.UPDATE) and \
                 _path(request.resource) in self.webhooks:
             denied = await self._admit(request)
             if denied is not None:
@@ -328,23 +334,53 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
             object.__setattr__(request, "data", jsonpatch.make_patch(old, final).patch)
         return None
 
+    def _config_limits(self, request: rendering.Request) -> aiohttp.web.StreamResponse | None:
+        """ConfigMaps and Secrets as the API server validates them: an ``immutable: true`` one keeps
+        its data (and stays immutable): an update that changes either answers 422; data beyond
+        1 MiB (``MaxSecretSize`` / the ConfigMap limit) answers 422."""
+        assert request.resource is not None
+        kind = "ConfigMap" if str(request.resource.plural) == "configmaps" else "Secret"
+        before_after = self._before_after(request)
+        if before_after is None:
+            return None
+        old, new = before_after
+        name = request.name or (new.get("metadata") or {}).get("name")
+        if old is not None and old.get("immutable") is True:
+            fields = ("data", "binaryData", "stringData") if kind == "Secret" else ("data", "binaryData")
+            if new.get("immutable") is not True or any(new.get(f) != old.get(f) for f in fields):
+                return _status(422, "Invalid", f'{kind} "{name}" is invalid: data: Forbidden: field is immutable '
+                               "when `immutable` is set")
+        size = sum(len(str(k)) + len(str(v)) for f in ("data", "binaryData", "stringData")
+                   for k, v in (new.get(f) or {}).items())
+        if size > 1024 * 1024:
+            return _status(422, "Invalid", f'{kind} "{name}" is invalid: []: Too long: must have at most '
+                           "1048576 bytes")
+        return None
+
+    def _before_after(self, request: rendering.Request) -> tuple[dict[str, Any] | None, dict[str, Any]] | None:
+        """(the stored object or None for a create, the object the request would leave), copies
+        both; None where kmock answers itself (a 404, a patch it cannot apply: 422)."""
+        if request.action == enums.action.CREATE:
+            return None, copy.deepcopy(request.data) if isinstance(request.data, dict) else {}
+        stored = self._objects._objects.get((request.resource, request.namespace, request.name))
+        if stored is None or stored.deleted:
+            return None
+        old = copy.deepcopy(dict(stored.raw))
+        try:
+            return old, copy.deepcopy(dict(dicts.patch_dict(copy.deepcopy(old), request.data)))
+        except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException, TypeError, ValueError):
+            return None
+
     def _structural(self, request: rendering.Request) -> aiohttp.web.StreamResponse | None:
         """Prune and validate a custom resource against its CRD's schema, as the API server does
         for a structural schema: unknown fields are dropped (recorded in ``pruned``), nulls of
         non-nullable fields too, and a wrong type or a value outside an enum answers 422."""
         assert request.resource is not None
         plural = str(request.resource.plural)
-        if request.action == enums.action.CREATE:
-            old, new = None, copy.deepcopy(request.data)
-        else:
-            stored = self._objects._objects.get((request.resource, request.namespace, request.name))
-            if stored is None or stored.deleted:
-                return None  # the ordinary 404
-            old = copy.deepcopy(dict(stored.raw))
-            try:
-                new = copy.deepcopy(dict(dicts.patch_dict(old, request.data)))
-            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException):
-                return None  # kmock answers it (a failed JSON-patch test: 422)
+        before_after = self._before_after(request)
+        if before_after is None:
+            return None
+        old, new = before_after
         name = request.name or (new.get("metadata") or {}).get("name")
         errors: list[str] = []
         dropped: list[str] = []

@@ -108,6 +108,9 @@ class Sandbox:
         self.webhook_port = free_port()  # the pod and NodeReplacement webhooks register in the same kopf
         # The caller's own SDCGUARD_* / AWS_* settings must not reach the sandbox's processes.
         inherited = {k: v for k, v in os.environ.items() if not k.startswith(("SDCGUARD_", "AWS_"))}
+        if pod_webhook and not settings.get("SDCGUARD_JOB_CONTROLLER_USERS"):
+            # the sandbox creates the job's pods as its own user, not as Kubeflow's training operator
+            settings.setdefault("SDCGUARD_ALLOW_ANY_JOB_CONTROLLER", "true")
         if not admission:  # as the chart sets it without the NodeReplacement webhook: nobody records deciders
             settings.setdefault("SDCGUARD_REQUIRE_ADMISSION_DECISIONS", "false")
         self.env = {**inherited, **self.aws.env(), "KUBECONFIG": str(self.kube.kubeconfig), "KUBECTL": KUBECTL,

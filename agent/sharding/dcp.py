@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -159,7 +159,10 @@ def load(path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: tor
     if scaler is not None:
         state[SCALER_KEY] = scaler
     try:
-        dcp_load(state, storage_reader=FileSystemReader(str(path)), planner=WeightsOnlyLoadPlanner())
+        # .metadata through sdcguard's reader: the bytes hashed are the bytes unpickled, with a
+        # restricted unpickler (DCP's own reader would pickle.load whatever the file holds)
+        reader = dcp_manifest.MetadataReader(str(path), manifest["files"][".metadata"])
+        dcp_load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
     except Exception as exc:  # noqa: BLE001 - DCP raises the same error on every rank
         raise CheckpointError(f"{path} cannot be loaded: {exc}") from None
     set_state_dict(model, optimizer, model_state_dict=state[model_key], optim_state_dict=state[OPTIMIZER_KEY])
@@ -168,7 +171,7 @@ def load(path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: tor
             extra[key] = state[key]  # DCP replaces a plain value in the dict it was given
     found = fingerprint_shards(named_parameters).digest.hex()
     where = layout.coordinates(rank)
-    wrong = dcp_manifest.judge_shard(manifest, where["shard"], found)
+    wrong = dcp_manifest.judge_shard(manifest, dcp_manifest.position(where, layout.shards), found)
     if state[STEP_KEY].get("step") != manifest["step"]:
         wrong = f"its files hold step {state[STEP_KEY].get('step')}, its manifest says {manifest['step']}"
     problems = _everyone(None if wrong is None else f"rank {rank} (replica {where['replica']}, shard {where['shard']}): "
@@ -236,7 +239,8 @@ def _finish(path: Path, staging: Path, reports: list[dict[str, Any]], facts: Fac
     manifest = dcp_manifest.build(
         step=facts.step, files=files, grid=facts.layout.grid, weights_verified=facts.weights_verified,
         model_key=model_key, state_keys=[k for k in state_keys if k != model_key],
-        parameters=facts.parameters, reports=reports, recorded=recorded)
+        parameters=facts.parameters, reports=reports, recorded=recorded,
+        columns=facts.layout.columns or None)
     try:
         write_json_atomic(staging / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True))
         _put_in_place(staging, path)
@@ -244,7 +248,7 @@ def _finish(path: Path, staging: Path, reports: list[dict[str, Any]], facts: Fac
         if kept is not None and not path.exists():
             os.rename(kept, path)  # the save failed: the path holds what it held
         raise
-    _remove(plan.remove)
+    _remove(plan.remove, path.parent)
     return manifest["sha256"], kept
 
 
@@ -264,6 +268,7 @@ def keep_directory(entry: recovery.Checkpoint) -> str | None:
             raise CheckpointError(f"cannot keep {source} as {target}: that path holds something else")
         shutil.rmtree(target)  # an earlier run's kept copy of the same step
     os.rename(source, target)  # the whole directory, its manifest included: nothing is copied
+    recovery.remember_kept(str(target))
     return str(target)
 
 
@@ -278,9 +283,11 @@ def _put_in_place(staging: Path, path: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _remove(paths: tuple[str, ...]) -> None:
-    """Remove kept directories below the floor (sdcguard made them; nothing else is ever removed)."""
-    for victim in map(Path, paths):
+def _remove(paths: tuple[str, ...], directory: Path) -> None:
+    """Remove kept directories below the floor: only those ``recovery.removable`` allows (kept names
+    in the checkpoint's own directory, or kept by this run) that hold a sharded checkpoint; never
+    another path a manifest names."""
+    for victim in map(Path, recovery.removable(paths, str(directory))):
         if dcp_manifest.is_sharded_checkpoint(victim):
             shutil.rmtree(victim)
 
@@ -298,8 +305,11 @@ def _same_model(path: Path, manifest: Mapping[str, Any], layout: ShardLayout, mo
                 names: list[str]) -> None:
     """The checkpoint's shards are verified as they were saved: the same mesh, the same parameters."""
     grid = [list(row) for row in layout.grid]
-    if manifest["mesh"]["grid"] != grid:
-        raise CheckpointError(f"{path} was saved on the mesh {manifest['mesh']['grid']}, this run has {grid}: "
+    columns = [[list(row) for row in column] for column in layout.columns] or None
+    # with tensor parallelism the grid recorded is rank 0's column: the columns say it all
+    if (manifest["mesh"].get("columns") != columns) or (columns is None and manifest["mesh"]["grid"] != grid):
+        saved = manifest["mesh"].get("columns") or manifest["mesh"]["grid"]
+        raise CheckpointError(f"{path} was saved on the mesh {saved}, this run has {columns or grid}: "
                               "sdcguard verifies a sharded checkpoint's shards on the mesh it was saved on")
     if manifest["model_key"] != model_key:
         raise CheckpointError(f"{path} holds its model under {manifest['model_key']!r}, not {model_key!r}")

@@ -34,6 +34,8 @@ import hashlib
 import io
 import json
 import os
+import pathlib
+import pickle
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +43,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, load
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ..checkpoint import CheckpointError
@@ -85,23 +89,30 @@ def chunk_of(tensor: torch.Tensor) -> list[list[int]]:
 
 def build(*, step: int, files: Mapping[str, str], grid: Sequence[Sequence[int]], weights_verified: bool,
           model_key: str, state_keys: Sequence[str], parameters: Sequence[str],
-          reports: Sequence[Mapping[str, Any]], recorded: Mapping[str, Any]) -> dict[str, Any]:
+          reports: Sequence[Mapping[str, Any]], recorded: Mapping[str, Any],
+          columns: Sequence[Sequence[Sequence[int]]] | None = None) -> dict[str, Any]:
     """Pure: the manifest from every rank's report (``{"digest", "chunks"}``, indexed by global
-    rank) and the run's facts (``recorded``: audited step, earlier checkpoints, …). Raises
+    rank) and the run's facts (``recorded``: audited step, earlier checkpoints, …). With tensor
+    parallelism ``columns`` holds every TP rank's FSDP grid (``grid`` is one of them) and the
+    manifest lists every (TP shard, FSDP shard) position, TP index major (:func:`position`). Raises
     CheckpointError when the replicas of a shard reported different shards."""
     shards = []
-    for j in range(len(grid[0])):
-        ranks = [int(row[j]) for row in grid]
-        first = reports[ranks[0]]
-        odd = [r for r in ranks if (reports[r]["digest"], reports[r]["chunks"]) != (first["digest"], first["chunks"])]
-        if odd:
-            raise CheckpointError(f"the replicas {ranks} of shard {j} hold different weights at the save "
-                                  f"(ranks {odd} differ from rank {ranks[0]}); nothing was written")
-        shards.append({"shard": j, "ranks": ranks, "digest": first["digest"], "chunks": first["chunks"]})
+    for k, column in enumerate(columns or [grid]):
+        for j in range(len(column[0])):
+            ranks = [int(row[j]) for row in column]
+            first = reports[ranks[0]]
+            odd = [r for r in ranks if (reports[r]["digest"], reports[r]["chunks"]) != (first["digest"], first["chunks"])]
+            if odd:
+                raise CheckpointError(f"the replicas {ranks} of shard {j} hold different weights at the save "
+                                      f"(ranks {odd} differ from rank {ranks[0]}); nothing was written")
+            shards.append({"shard": j, **({"tp": k} if columns else {}), "ranks": ranks, "digest": first["digest"],
+                           "chunks": first["chunks"]})
+    mesh: dict[str, Any] = {"replicas": len(grid), "shards": len(grid[0]), "grid": [list(map(int, row)) for row in grid]}
+    if columns:
+        mesh.update(tp=len(columns), columns=[[list(map(int, row)) for row in column] for column in columns])
     return {
         "schema": SCHEMA, "format": FORMAT, "step": int(step), "files": dict(sorted(files.items())),
-        "sha256": identity(files), "mesh": {"replicas": len(grid), "shards": len(grid[0]),
-                                            "grid": [list(map(int, row)) for row in grid]},
+        "sha256": identity(files), "mesh": mesh,
         "weights_verified": bool(weights_verified), "replicas": len(grid), "model_key": model_key,
         "state_keys": sorted(state_keys), "parameters": list(parameters), "shards": shards, **recorded,
     }
@@ -180,12 +191,20 @@ def judge_files(manifest: Mapping[str, Any], found: Mapping[str, str | None],
     return problems
 
 
+def position(where: Mapping[str, int], shards: int) -> int:
+    """Pure: the index in a manifest's ``shards`` of the rank at ``where`` (``ShardLayout.coordinates``)."""
+    return where.get("tp", 0) * shards + where["shard"]
+
+
 def judge_shard(manifest: Mapping[str, Any], shard: int, found_digest: str) -> str | None:
-    """Pure: why shard ``shard``'s fingerprint ``found_digest`` is not the manifest's, or None."""
-    want = manifest["shards"][shard]["digest"]
+    """Pure: why the fingerprint ``found_digest`` of the manifest's ``shards[shard]`` is not the
+    manifest's, or None."""
+    entry = manifest["shards"][shard]
+    want = entry["digest"]
     if found_digest == want:
         return None
-    return f"shard {shard} (ranks {manifest['shards'][shard]['ranks']}) has fingerprint digest {found_digest}, manifest says {want}"
+    label = f"shard {entry['shard']}" + (f" of TP rank {entry['tp']}" if "tp" in entry else "")
+    return f"{label} (ranks {entry['ranks']}) has fingerprint digest {found_digest}, manifest says {want}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,8 +242,8 @@ def shard_digests(path: str | os.PathLike[str], manifest: Mapping[str, Any]) -> 
     """Each shard's fingerprint digest, recomputed from the directory's files (parameters read whole,
     a group of at most READ_BUDGET_BYTES at a time, and cut into the manifest's chunks). A
     ``model_key`` of ``""``: the parameters are top-level entries (torchtitan's flattened model state)."""
-    reader = FileSystemReader(str(path))
-    metadata = reader.read_metadata()  # a pickle: read only after its SHA-256 matched the manifest
+    metadata_sha256 = manifest["files"][".metadata"]
+    metadata = MetadataReader(str(path), metadata_sha256).read_metadata()  # data only, the bytes hashed
     key, names = manifest["model_key"], manifest["parameters"]
     shards = manifest["shards"]
     fingerprints: list[list[Any]] = [[] for _ in shards]
@@ -241,7 +260,7 @@ def shard_digests(path: str | os.PathLike[str], manifest: Mapping[str, Any]) -> 
             wanted[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
         with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": no process group, on purpose
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            load({key: wanted} if key else wanted, storage_reader=FileSystemReader(str(path)),
+            load({key: wanted} if key else wanted, storage_reader=MetadataReader(str(path), metadata_sha256),
                  planner=WeightsOnlyLoadPlanner(), no_dist=True)
         for name in group:
             i = names.index(name)
@@ -284,3 +303,74 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+# What DCP's ``.metadata`` pickle may build: its own metadata classes and the plain torch values they
+# hold. Everything else (a function, ``os.system``, any other class) is refused before it is looked up.
+_METADATA_MODULE = dcp_metadata.__name__
+_METADATA_GLOBALS: dict[tuple[str, str], Any] = {
+    (dcp_filesystem.__name__, "_StorageInfo"): dcp_filesystem._StorageInfo,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # a torch.layout by name
+    ("pathlib", "Path"): pathlib.Path, ("pathlib", "PosixPath"): pathlib.PosixPath,
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath, ("pathlib", "WindowsPath"): pathlib.WindowsPath,
+    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+    ("collections", "OrderedDict"): __import__("collections").OrderedDict,
+    ("builtins", "set"): set, ("builtins", "frozenset"): frozenset,
+}
+
+
+def metadata_global(module: str, name: str) -> Any:
+    """Pure: what ``.metadata`` may name as ``module.name`` — a class of
+    ``torch.distributed.checkpoint.metadata`` (its dataclasses and enums), the few values they hold
+    (:data:`_METADATA_GLOBALS`), a ``torch`` dtype — or ``pickle.UnpicklingError``."""
+    if module == _METADATA_MODULE:
+        found = getattr(dcp_metadata, name, None)
+        if isinstance(found, type) and not issubclass(found, type) and found.__module__ == _METADATA_MODULE:
+            return found
+    elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        return getattr(torch, name)
+    elif (module, name) in _METADATA_GLOBALS:
+        return _METADATA_GLOBALS[(module, name)]
+    raise pickle.UnpicklingError(f"a DCP .metadata may not name {module}.{name}: refused (only DCP's metadata "
+                                 "classes and plain values are built)")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        return metadata_global(module, name)
+
+
+def load_metadata(data: bytes) -> Metadata:
+    """Pure: DCP's ``.metadata`` from its bytes, built with a restricted unpickler (never code:
+    :func:`metadata_global`). Raises CheckpointError for anything else."""
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # noqa: BLE001 - the unpickler raises many kinds for foreign bytes
+        raise CheckpointError(f"its .metadata cannot be read as DCP metadata: {exc}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"its .metadata holds a {type(metadata).__name__}, not DCP metadata")
+    return metadata
+
+
+class MetadataReader(FileSystemReader):
+    """DCP's file-system reader, but ``.metadata`` is read once, its bytes checked against the
+    SHA-256 the manifest lists (when given), and those very bytes unpickled with
+    :func:`load_metadata` (DCP's own reader calls ``pickle.load`` on whatever the file holds)."""
+
+    def __init__(self, path: str | os.PathLike[str], metadata_sha256: str | None) -> None:
+        super().__init__(path)
+        self.metadata_sha256 = metadata_sha256
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        where = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(where, "rb") as fh:
+            data = fh.read()
+        if self.metadata_sha256 is not None and hashlib.sha256(data).hexdigest() != self.metadata_sha256:
+            raise CheckpointError(f"{where} was modified after it was verified: sha256 "
+                                  f"{hashlib.sha256(data).hexdigest()} != manifest {self.metadata_sha256}")
+        metadata = load_metadata(data)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata

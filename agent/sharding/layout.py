@@ -21,10 +21,15 @@ from ..contract.alarm import CHECK_NONFINITE_LOCAL, CHECK_REDUCE_CHECKSUM, CHECK
 
 @dataclass(frozen=True, slots=True)
 class ShardLayout:
-    """The mesh as every rank sees it: ``grid[i][j]`` is the global rank of replica i, shard j."""
+    """The mesh as every rank sees it: ``grid[i][j]`` is the global rank of replica i, shard j of
+    this rank's FSDP mesh. With tensor parallelism each tensor-parallel rank ``k`` has an FSDP mesh
+    of its own (``columns[k]``, this rank's is ``grid``): rank ``(i, j, k)`` holds TP shard ``k`` of
+    FSDP shard ``j`` of replica ``i``, and the ranks ``(i, j, *)`` form one tensor-parallel group."""
 
     grid: tuple[tuple[int, ...], ...]
     rank: int
+    columns: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    """Every tensor-parallel rank's FSDP grid, by TP index; empty without tensor parallelism."""
 
     @property
     def replicas(self) -> int:
@@ -35,33 +40,59 @@ class ShardLayout:
         return len(self.grid[0])
 
     @property
+    def tp(self) -> int:
+        """Ranks per tensor-parallel group (1: none)."""
+        return len(self.columns) or 1
+
+    @property
     def world_size(self) -> int:
-        return self.replicas * self.shards
+        return self.replicas * self.shards * self.tp
 
     @property
     def hsdp(self) -> bool:
         return self.replicas > 1
 
+    def grids(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """Every FSDP grid of the world, by TP index (one without tensor parallelism)."""
+        return self.columns or (self.grid,)
+
     def coordinates(self, rank: int) -> dict[str, int]:
-        """``{"replica": i, "shard": j}`` of a global rank."""
-        for i, row in enumerate(self.grid):
-            if rank in row:
-                return {"replica": i, "shard": row.index(rank)}
-        raise ValueError(f"rank {rank} is not in the mesh {self.grid}")
+        """``{"replica": i, "shard": j}`` of a global rank (and ``"tp": k`` with tensor parallelism)."""
+        for k, grid in enumerate(self.grids()):
+            for i, row in enumerate(grid):
+                if rank in row:
+                    where = {"replica": i, "shard": row.index(rank)}
+                    if self.columns:
+                        where["tp"] = k
+                    return where
+        raise ValueError(f"rank {rank} is not in the mesh {self.grids()}")
 
-    def replicas_of_shard(self, shard: int) -> list[int]:
-        """The global ranks holding ``shard``, by replica index."""
-        return [row[shard] for row in self.grid]
+    def replicas_of_shard(self, shard: int, tp: int | None = None) -> list[int]:
+        """The global ranks holding ``shard`` (of TP rank ``tp``; default: this rank's), by replica."""
+        grid = self.grid if tp is None else self.grids()[tp]
+        return [row[shard] for row in grid]
 
-    def shard_group(self, replica: int) -> list[int]:
-        """The global ranks that reduce-scatter together (one replica), by shard index."""
-        return list(self.grid[replica])
+    def shard_group(self, replica: int, tp: int | None = None) -> list[int]:
+        """The global ranks that reduce-scatter together (one replica of TP rank ``tp``), by shard."""
+        grid = self.grid if tp is None else self.grids()[tp]
+        return list(grid[replica])
+
+    def tp_group(self, rank: int) -> list[int]:
+        """The tensor-parallel group of ``rank``, by TP index (``[rank]`` without tensor parallelism)."""
+        where = self.coordinates(rank)
+        return [grid[where["replica"]][where["shard"]] for grid in self.grids()]
+
+    def positions(self) -> list[tuple[int, int]]:
+        """``(tp, shard)`` of every distinct weight shard; each is held by ``replicas`` ranks."""
+        return [(k, j) for k in range(self.tp) for j in range(self.shards)]
 
     def describe(self) -> str:
         if self.shards == 1:
-            return f"HSDP {self.replicas} replicas x 1 shard (data parallel: every rank holds the whole model)"
-        return (f"HSDP {self.replicas} replicas x {self.shards} shards" if self.hsdp
-                else f"FSDP over {self.shards} ranks (one replica)")
+            text = f"HSDP {self.replicas} replicas x 1 shard (data parallel: every rank holds the whole model)"
+        else:
+            text = (f"HSDP {self.replicas} replicas x {self.shards} shards" if self.hsdp
+                    else f"FSDP over {self.shards} ranks (one replica)")
+        return text if not self.columns else f"{text}, each x tensor parallel over {self.tp} ranks"
 
 
 def layout_of(mesh_ranks: list[list[int]] | list[int], rank: int) -> ShardLayout:
@@ -160,10 +191,63 @@ def read_layout(model: torch.nn.Module) -> ShardLayout:
         seen = (ranks, path)
     if seen is None:
         raise TypeError("sdcguard: the FSDP2 model holds no sharded parameters")
-    layout = layout_of(seen[0], dist.get_rank())
+    rank = dist.get_rank()
+    columns = tensor_parallel_columns(model)
+    if columns is None:
+        layout = layout_of(seen[0], rank)
+    else:
+        layout = columns_layout(columns, rank)
+        if [list(row) for row in layout.grid] != seen[0]:
+            raise TypeError(f"sdcguard: the tensor-parallel mesh {columns!r} does not hold FSDP2's mesh {seen[0]!r} "
+                            "as this rank's column")
     if layout.world_size < 2:
         raise TypeError("sdcguard: an FSDP2 mesh of one rank has no other rank to check it against")
     return layout
+
+
+def tensor_parallel_columns(model: torch.nn.Module) -> list[list[list[int]]] | None:
+    """With tensor parallelism (``parallelize_module`` before ``fully_shard``), the FSDP grid of every
+    TP rank, read from a parameter whose DTensor mesh has one dimension more than FSDP2's
+    (``("dp_replicate", "dp_shard", "tp")``, torchtitan's names or any others): ``columns[k][i][j]``
+    is the rank of replica i, shard j, TP rank k. None without tensor parallelism; TypeError for a
+    mesh with more than one dimension beyond FSDP2's (pipeline or context parallelism in it)."""
+    found: list[list[list[int]]] | None = None
+    for path, _, group in param_groups(model):
+        info = group.mesh_info
+        fsdp_names = info.mesh.mesh_dim_names
+        for fsdp_param in group.fsdp_params:
+            mesh = getattr(fsdp_param.sharded_param, "device_mesh", None)
+            if mesh is None or mesh.ndim == info.mesh.ndim:
+                continue
+            names = mesh.mesh_dim_names
+            if names is None or fsdp_names is None:
+                raise TypeError(f"sdcguard: fully_shard({path or 'root'}): name the device mesh's dimensions "
+                                "(init_device_mesh(..., mesh_dim_names=...)) so the tensor-parallel one can be told apart")
+            extra = [n for n in names if n not in fsdp_names]
+            if len(extra) != 1:
+                raise TypeError(f"sdcguard: {path or 'root'}'s parameters are spread over {names}: sdcguard checks "
+                                "FSDP2 with one tensor-parallel dimension beside its own, not yet "
+                                f"{', '.join(extra)} together")
+            order = [names.index(n) for n in fsdp_names] + [names.index(extra[0])]
+            grid = mesh.mesh.permute(*order)
+            if grid.ndim == 2:  # pure FSDP: one replica
+                grid = grid.unsqueeze(0)
+            columns = [grid[:, :, k].tolist() for k in range(grid.shape[2])]
+            if found is not None and found != columns:
+                raise TypeError(f"sdcguard: {path or 'root'} uses another tensor-parallel mesh than the model's "
+                                "other layers")
+            found = columns
+    return found
+
+
+def columns_layout(columns: list[list[list[int]]], rank: int) -> ShardLayout:
+    """Pure: the layout from every TP rank's FSDP grid (``columns[k][i][j]``)."""
+    grids = tuple(tuple(tuple(int(r) for r in row) for row in grid) for grid in columns)
+    flat = sorted(r for grid in grids for row in grid for r in row)
+    if flat != list(range(len(flat))) or len({(len(g), len(g[0])) for g in grids}) != 1:
+        raise ValueError(f"the mesh {columns!r} must hold every rank of the job exactly once, in equal grids")
+    mine = next(g for g in grids if any(rank in row for row in g))
+    return ShardLayout(mine, rank, grids)
 
 
 def plain_average(groups: list[Any]) -> bool:

@@ -108,7 +108,8 @@ def step_vote(records: list[Reduction], layout: ShardLayout, losses: list[torch.
     shape = None if not checked else Shape(
         world=max(S, R if ar_elements else 1), buckets=buckets,
         # each reduce-scatter group reduces S rows, each all-reduce group one: over the whole mesh
-        elements=R * S * rs_elements + S * ar_elements, dtypes=tuple(sorted(dtypes, key=str)))
+        # (with tensor parallelism, every TP rank's FSDP mesh reduces its own TP shard alike)
+        elements=(R * S * rs_elements + S * ar_elements) * layout.tp, dtypes=tuple(sorted(dtypes, key=str)))
     return StepVote(rs + ar, row, shape, rs_elements, ar_elements)
 
 
@@ -129,17 +130,19 @@ def localize_checksum(rows: list[list[float]], layout: ShardLayout, rs_elements:
     from every rank's row (indexed by global rank). Evidence for a ``reduce-checksum`` alarm: the
     reduction is shared, so a group is named, never a rank."""
     found: dict[str, Any] = {"reduce_scatter": [], "all_reduce": []}
-    for i in range(layout.replicas):
-        ranks = layout.shard_group(i)
-        x, y = sum(rows[r][3] for r in ranks), sum(rows[r][4] for r in ranks)
-        bound = rounding_bound(y, Shape(layout.shards, 1, layout.shards * rs_elements, dtypes))
-        if rs_elements and abs(x) > bound:
-            found["reduce_scatter"].append({"replica": i, "ranks": ranks, "difference": x, "bound": bound})
-    for j in range(layout.shards if layout.hsdp else 0):
-        ranks = layout.replicas_of_shard(j)
-        x, y = sum(rows[r][5] for r in ranks), sum(rows[r][6] for r in ranks)
-        bound = rounding_bound(y, Shape(layout.replicas, 1, ar_elements, dtypes))
-        if ar_elements and abs(x) > bound:
-            found["all_reduce"].append({"shard": j, "ranks": ranks, "difference": x, "bound": bound})
+    for k in range(layout.tp):
+        where = {"tp": k} if layout.tp > 1 else {}
+        for i in range(layout.replicas):
+            ranks = layout.shard_group(i, k)
+            x, y = sum(rows[r][3] for r in ranks), sum(rows[r][4] for r in ranks)
+            bound = rounding_bound(y, Shape(layout.shards, 1, layout.shards * rs_elements, dtypes))
+            if rs_elements and abs(x) > bound:
+                found["reduce_scatter"].append({"replica": i, **where, "ranks": ranks, "difference": x, "bound": bound})
+        for j in range(layout.shards if layout.hsdp else 0):
+            ranks = layout.replicas_of_shard(j, k)
+            x, y = sum(rows[r][5] for r in ranks), sum(rows[r][6] for r in ranks)
+            bound = rounding_bound(y, Shape(layout.replicas, 1, ar_elements, dtypes))
+            if ar_elements and abs(x) > bound:
+                found["all_reduce"].append({"shard": j, **where, "ranks": ranks, "difference": x, "bound": bound})
     return found
 

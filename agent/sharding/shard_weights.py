@@ -51,8 +51,8 @@ def ranks_needed(digests: list[bytes], layout: ShardLayout) -> set[int]:
     """Pure: the ranks whose per-parameter fingerprints a judgement needs: per differing shard,
     its odd replicas and the first of its majority."""
     needed: set[int] = set()
-    for j in range(layout.shards):
-        ranks = layout.replicas_of_shard(j)
+    for k, j in layout.positions():
+        ranks = layout.replicas_of_shard(j, k)
         column = [digests[r] for r in ranks]
         majority = strict_majority(column)
         if len(set(column)) == 1 or majority is None:
@@ -68,9 +68,9 @@ def judge_shard_weights(digests: list[bytes], fingerprints: list[list[Fingerprin
     shard's replicas agree. A shard without a strict majority names all its replicas, ambiguous."""
     suspects: list[int] = []
     ambiguous = False
-    shards: dict[int, Any] = {}
-    for j in range(layout.shards):
-        ranks = layout.replicas_of_shard(j)
+    shards: dict[Any, Any] = {}
+    for k, j in layout.positions():
+        ranks = layout.replicas_of_shard(j, k)
         column = [digests[r] for r in ranks]
         if len(set(column)) == 1:
             continue
@@ -82,11 +82,19 @@ def judge_shard_weights(digests: list[bytes], fingerprints: list[list[Fingerprin
         if "suspect_digests" in evidence:
             evidence["suspect_digests"] = {ranks[i]: d for i, d in evidence["suspect_digests"].items()}
             evidence["differing_parameters"] = {ranks[i]: d for i, d in evidence["differing_parameters"].items()}
-        shards[j] = {"replicas": ranks, "suspects": named, **evidence}
+        shards[j if layout.tp == 1 else f"{j}/tp{k}"] = {"replicas": ranks, "suspects": named, **evidence}
     if not shards:
         return None
     return Verdict(CHECK_WEIGHTS, suspects=sorted(suspects), ambiguous=ambiguous, evidence={
-        "mesh": {"replicas": layout.replicas, "shards": layout.shards},
+        "mesh": mesh_evidence(layout),
         "coordinates": {r: layout.coordinates(r) for r in sorted(suspects)},
         "shards": shards,
     })
+
+
+def mesh_evidence(layout: ShardLayout) -> dict[str, int]:
+    """The mesh's dimensions as an alarm's evidence states them."""
+    mesh = {"replicas": layout.replicas, "shards": layout.shards}
+    if layout.tp > 1:
+        mesh["tp"] = layout.tp
+    return mesh
