@@ -194,6 +194,12 @@ def read_layout(model: torch.nn.Module) -> ShardLayout:
     rank = dist.get_rank()
     columns = tensor_parallel_columns(model)
     if columns is None:
+        held = sum(len(row) for row in seen[0]) if seen[0] and isinstance(seen[0][0], list) else len(seen[0])
+        if held != dist.get_world_size():
+            raise TypeError(f"sdcguard: FSDP2's mesh holds {held} of the job's {dist.get_world_size()} ranks and the "
+                            "parameters carry no tensor-parallel dimension: pipeline, context or expert parallelism "
+                            "is not checked yet (sdcguard checks FSDP2/HSDP, with tensor parallelism in the "
+                            "parameters' mesh)")
         layout = layout_of(seen[0], rank)
     else:
         layout = columns_layout(columns, rank)
