@@ -21,14 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from . import recovery
-from .checks.exchange import DIGEST_BYTES, agree, gather_digests, gather_objects, serialize
+from .checks.exchange import DIGEST_BYTES, agree, gather_digests, serialize
 from .checks.nonfinite import gather_norms, judge_nonfinite, nonfinite_local_ranks, sum_votes
 from .checks.reduce_checksum import judge_checksum
 from .checks.verdict import Verdict
 from .checks.weights import WeightCheck
 from .contract.stats import CheckStats
-from .errors import ReplayError
-from .layouts.base import Layout, Scale, StepRecord, local_tensor
+from .layouts.base import Layout, Scale, StepRecord, gradients_finite, raise_replay_failures
 
 log = logging.getLogger("sdcguard")
 
@@ -80,8 +79,7 @@ class Verifier:
     def _solo(self, s: StepRecord) -> Outcome:
         """One replica: only the local non-finite check can run, and it cannot be confirmed."""
         started = time.perf_counter()
-        finite = all(bool(torch.isfinite(local_tensor(p.grad)).all()) for _, p in self.layout.named_parameters
-                     if p.grad is not None)
+        finite = gradients_finite(self.layout.named_parameters)
         self.stats.timed("nonfinite", started)
         if finite:
             return PASSED
@@ -165,20 +163,12 @@ class Verifier:
                 if verdict is None:
                     self._weights_verified(step - 1, weights)
             if verdict is None:
-                self._raise_if_replays_failed(step, failure)
+                raise_replay_failures(step, failure, self.group, self.device)  # after a veto only
                 verdict = layout.replay_verdict(own, replayed, [d[:2] for d in digests], s.payload, scale)
                 if verdict is None:
                     self.history.last_audited_step = step
         self.stats.timed("replay", started)
         return verdict
-
-    def _raise_if_replays_failed(self, step: int, failure: Exception | None) -> None:
-        """Every rank learns which replays failed (this runs only after a vetoed agreement) and
-        raises the same ReplayError."""
-        said = gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}", self.group, self.device)
-        failures = {rank: msg for rank, msg in enumerate(said) if msg is not None}
-        if failures:
-            raise ReplayError(step, failures) from failure
 
     # -- after the update ----------------------------------------------------------------------
 

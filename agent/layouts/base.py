@@ -18,12 +18,13 @@ import torch
 import torch.distributed as dist
 
 from ..checks.audit import Confirmation
-from ..checks.exchange import Incoming
+from ..checks.exchange import Incoming, gather_objects, wait
 from ..checks.reduce_checksum import Shape
 from ..checks.replay import PassResult, Payload
 from ..checks.topology import Topology
 from ..checks.verdict import Verdict
 from ..checks.weights import WeightCheck
+from ..errors import ReplayError
 
 Scale = Callable[[torch.Tensor], torch.Tensor] | None
 """An enabled GradScaler's ``scale``: a replay scales its loss the same way."""
@@ -175,3 +176,26 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard, or the tensor itself (no collective)."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+def gradients_finite(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> bool:
+    """This rank's gradients (a DTensor's local shard) are finite, element by element (no collective)."""
+    return all(bool(torch.isfinite(local_tensor(p.grad)).all()) for _, p in named_parameters if p.grad is not None)
+
+
+def everywhere_finite(named_parameters: list[tuple[str, torch.nn.Parameter]], device: torch.device,
+                      group: dist.ProcessGroup | None) -> bool:
+    """Collective: every rank's gradients are finite (:func:`gradients_finite`), the same answer everywhere."""
+    flag = torch.tensor([1.0 if gradients_finite(named_parameters) else 0.0], dtype=torch.float64, device=device)
+    wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True))
+    return bool(flag.item() == 1.0)
+
+
+def raise_replay_failures(step: int, failure: Exception | None, group: dist.ProcessGroup | None,
+                          device: torch.device) -> None:
+    """Collective: every rank learns which ranks' replays failed and raises the same ReplayError;
+    returns when none did."""
+    said = gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}", group, device)
+    failures = {rank: msg for rank, msg in enumerate(said) if msg is not None}
+    if failures:
+        raise ReplayError(step, failures) from failure

@@ -15,12 +15,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..checks.audit import Confirmation, Replayer
 from ..checks.commhook import GradientRecorder, ReduceHook, record_then_reduce
-from ..checks.exchange import Incoming, agree, gather_digests, wait
+from ..checks.exchange import Incoming, agree, gather_digests
 from ..checks.replay import PassResult, Payload
 from ..checks.topology import Topology
 from ..checks.verdict import Verdict
 from ..checks.weights import WeightCheck, fingerprint_weights, weights_verdict
-from .base import Scale, StepRecord, Vote
+from .base import Scale, StepRecord, Vote, everywhere_finite
 from .stores import FileStore
 
 
@@ -78,10 +78,7 @@ class DataParallel:
         return Vote(self.recorder.vote(self.device), lambda: self.recorder.rows(self.device), shape)
 
     def reduced_gradients_finite(self) -> bool:
-        finite = all(bool(torch.isfinite(p.grad).all()) for _, p in self.named_parameters if p.grad is not None)
-        flag = torch.tensor([1.0 if finite else 0.0], dtype=torch.float64, device=self.device)
-        wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True))
-        return bool(flag.item() == 1.0)
+        return everywhere_finite(self.named_parameters, self.device, self.group)
 
     def confirm_nonfinite(self, bad: list[int], payload: Payload, scale: Scale) -> Confirmation:
         return self.replayer.confirm_nonfinite(bad, payload, scale)

@@ -15,20 +15,19 @@ import torch
 import torch.distributed as dist
 
 from ..checks.audit import Confirmation
-from ..checks.exchange import DIGEST_BYTES, Incoming, agree, gather_objects, wait
+from ..checks.exchange import DIGEST_BYTES, Incoming, agree
 from ..checks.nonfinite import gather_norms
 from ..checks.replay import PassResult, Payload
 from ..checks.topology import Topology
 from ..checks.verdict import Verdict
 from ..checks.weights import WeightCheck
-from ..errors import ReplayError
 from ..sharding.fsdp_internals import require_supported
 from ..sharding.layout import ShardLayout, plain_average, plan_checks, read_layout
 from ..sharding.reduce_record import ShardedRecorder
 from ..sharding.reduction_check import VoteCoefficients, localize_checksum, step_vote
 from ..sharding.replay import ShardedReplayer, labels, own_pass
 from ..sharding.shard_weights import fingerprint_shards, mesh_evidence, replicas_agree, shard_weights_verdict
-from .base import Scale, StepRecord, Vote, flag_token, local_tensor
+from .base import Scale, StepRecord, Vote, everywhere_finite, flag_token, raise_replay_failures
 from .stores import DcpStore
 
 log = logging.getLogger("sdcguard")
@@ -103,11 +102,7 @@ class Sharded:
         return Vote(mine.vote.to(self.device), lambda: mine.row.to(self.device), mine.shape, detail=mine)
 
     def reduced_gradients_finite(self) -> bool:
-        finite = all(bool(torch.isfinite(local_tensor(p.grad)).all()) for _, p in self.named_parameters
-                     if p.grad is not None)
-        flag = torch.tensor([1.0 if finite else 0.0], dtype=torch.float64, device=self.device)
-        wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=None, async_op=True))
-        return bool(flag.item() == 1.0)
+        return everywhere_finite(self.named_parameters, self.device, None)
 
     def confirm_nonfinite(self, bad: list[int], payload: Payload, scale: Scale) -> Confirmation:
         confirmation = self.replayer.confirm_nonfinite(bad, payload, scale)
@@ -140,8 +135,7 @@ class Sharded:
             log.exception("sdcguard: receiving rank %d's batch failed", self.topology.replay_target(self.topology.rank))
             failure = exc
         if not agree(bytes(DIGEST_BYTES), self.device, None, veto=failure is not None):
-            said = gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}", None, self.device)
-            raise ReplayError(step, {r: m for r, m in enumerate(said) if m is not None}) from failure
+            raise_replay_failures(step, failure, None, self.device)
         return self.replayer.run(received, scale), None
 
     def replay_verdict(self, own: PassResult, replayed: PassResult | None, digests: list[list[bytes]],

@@ -36,7 +36,11 @@ class TensorParallel(Sharded):
             raise TypeError(f"sdcguard: {refusal}")
 
     def seed_rank(self, rank: int) -> int:
-        return self.mesh.tp_group(rank)[0]
+        # on every forward: looked up once per rank, not searched in the mesh each time
+        seeds = self.__dict__.setdefault("_seed_ranks", {})
+        if rank not in seeds:
+            seeds[rank] = self.mesh.tp_group(rank)[0]
+        return seeds[rank]
 
     def plan_lines(self) -> list[str]:
         return super().plan_lines() + tp_plan(self.mesh, self.topology)
