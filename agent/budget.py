@@ -36,6 +36,10 @@ so the ranks stay in step.
 
 What it costs: on an ordinary step two ``perf_counter`` reads and a few Python additions; on an
 audit step one 8-byte all-reduce and its host read.
+
+The measurement itself (:class:`Meter`) runs in every Guard, budgeted or not: the same samples
+also give the run's cost by kind of check (:func:`run_cost`), which the statistics carry as
+``cost`` (``sdcguard report`` and the sidecar's metrics read it there).
 """
 from __future__ import annotations
 
@@ -56,8 +60,9 @@ from .contract.stats import CheckStats
 
 log = logging.getLogger("sdcguard")
 
-__all__ = ["AUDIT_WINDOW", "Budget", "DECIDED", "Measurement", "ORDINARY_WINDOW", "Sample",
-           "choose_interval", "estimate", "explain", "premium", "starting_interval"]
+__all__ = ["AUDIT_WINDOW", "Budget", "DECIDED", "KINDS", "Measurement", "Meter", "ORDINARY_PHASES",
+           "ORDINARY_WINDOW", "Sample", "choose_interval", "estimate", "explain", "premium", "run_cost",
+           "starting_interval"]
 
 ORDINARY_WINDOW = 256
 """Ordinary steps the measurement keeps (the newest)."""
@@ -65,6 +70,11 @@ AUDIT_WINDOW = 8
 """Audit steps the measurement keeps (the newest)."""
 DECIDED = "at the end of every audit step"
 """When the interval is re-decided (documented; a decision costs one 8-byte all-reduce)."""
+ORDINARY_PHASES = ("nonfinite", "reduce_checksum")
+"""The timed phases every step runs (checks 1 and 4's vote, check 4's judgement): the ordinary checks."""
+KINDS = ("ordinary", "audit", "weights")
+"""Kinds of step, and of check, the cost is told by: an audit step (checks 2 and 3 before the
+update), a weight-check step that is no audit (check 3 after the update), every other step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +181,134 @@ def estimate(ordinary: Sequence[Sample], audits: Sequence[Sample]) -> Measuremen
     return Measurement(ordinary_cost, audit_cost, step_time)
 
 
+# -- the measurement (every Guard) ----------------------------------------------------------------
+
+class Meter:
+    """What each step costs on this rank, measured while training (module docstring): the samples
+    the budget decides from, and the run's totals by kind (:func:`run_cost`, the statistics'
+    ``cost``). The Guard calls :meth:`begin` and :meth:`ended` (or :meth:`interrupted`) around
+    every step."""
+
+    __slots__ = ("stats", "world_size", "ordinary", "audits", "steps", "sampled", "own", "ordinary_seconds",
+                 "kind", "last", "_audit", "_last_end", "_last_checks", "_last_ordinary")
+
+    def __init__(self, stats: CheckStats, world_size: int = 1) -> None:
+        self.stats = stats
+        self.world_size = world_size
+        self.ordinary: deque[Sample] = deque(maxlen=ORDINARY_WINDOW)
+        """The newest steps that were no audit (weight-check steps among them)."""
+        self.audits: deque[Sample] = deque(maxlen=AUDIT_WINDOW)
+        """The newest audit steps."""
+        self.steps = dict.fromkeys(KINDS, 0)
+        """Steps of each kind that ended (the unmeasured ones included)."""
+        self.sampled = dict.fromkeys(KINDS, 0)
+        """Of these, the measured ones (a predecessor that ended: the first step and one after a failure are not)."""
+        self.own = dict.fromkeys(KINDS, 0.0)
+        """Phase seconds beyond the ordinary checks on measured steps of each kind (an audit's replay and
+        fingerprints, check 3, a NaN's confirming replay)."""
+        self.ordinary_seconds = 0.0
+        """Seconds of the ordinary checks (:data:`ORDINARY_PHASES`) on measured steps."""
+        self.kind: str | None = None
+        """The kind of the step that ended last."""
+        self.last: Sample | None = None
+        """Its sample, if it was measured."""
+        self._audit = False
+        self._last_end: float | None = None
+        self._last_checks = 0.0
+        self._last_ordinary = 0.0
+        stats.measure = self.cost
+
+    def begin(self, audit: bool) -> None:
+        """A step begins; ``audit``: it is an audit step (the same on every rank)."""
+        self._audit = audit
+
+    def interrupted(self) -> None:
+        """The step failed: the next step's wall time would span it, so it gives no sample."""
+        self._last_end = None
+
+    def ended(self, weights: bool = False) -> None:
+        """The step ended (after check 3; ``weights``: check 3 ran after its update): its sample."""
+        now = time.perf_counter()
+        seconds = self.stats.seconds
+        checks = sum(seconds.values())
+        ordinary = sum(seconds.get(p, 0.0) for p in ORDINARY_PHASES)
+        kind = "audit" if self._audit else "weights" if weights else "ordinary"
+        self.steps[kind] += 1
+        self.kind, self.last = kind, None
+        if self._last_end is not None:
+            self.last = Sample(max(0.0, checks - self._last_checks), max(0.0, now - self._last_end))
+            (self.audits if self._audit else self.ordinary).append(self.last)
+            spent_ordinary = min(self.last.checks, max(0.0, ordinary - self._last_ordinary))
+            self.sampled[kind] += 1
+            self.ordinary_seconds += spent_ordinary
+            self.own[kind] += self.last.checks - spent_ordinary
+        self._last_end, self._last_checks, self._last_ordinary = now, checks, ordinary
+
+    def amend(self, spent: float) -> None:
+        """``spent`` more seconds of sdcguard's work belong to the step that just ended (the
+        budget's decision after it): they count in its sample and the next step's starts after them."""
+        if self.last is not None:
+            window = self.audits if self.kind == "audit" else self.ordinary
+            self.last = window[-1] = Sample(self.last.checks + spent, self.last.wall + spent)
+            self.own[self.kind or "ordinary"] += spent
+        if self._last_end is not None:
+            self._last_end += spent
+
+    def cost(self) -> dict[str, Any] | None:
+        """The run's cost on this rank so far (:func:`run_cost`); None before the first measured step."""
+        return run_cost(self.steps, self.sampled, self.own, self.ordinary_seconds,
+                        [s.wall - s.checks for s in self.ordinary], [s.wall - s.checks for s in self.audits],
+                        self.world_size)
+
+
+def run_cost(steps: dict[str, int], sampled: dict[str, int], own: dict[str, float], ordinary_seconds: float,
+             ordinary_plain: Sequence[float], audit_plain: Sequence[float], world_size: int) -> dict[str, Any] | None:
+    """The measured cost of each kind of check, as seconds each and as the premium it adds to the
+    run (a fraction of a step without sdcguard); pure. ``steps``/``sampled``: steps of each kind
+    (:data:`KINDS`) run / measured; ``own``: phase seconds beyond the ordinary checks on measured
+    steps of each kind; ``ordinary_seconds``: the ordinary checks' seconds on measured steps;
+    ``*_plain``: the newest steps' wall time less their phases (ordinary, audit).
+
+    - the step time is the median plain time of the ordinary steps (of the audit steps when every
+      step is audited, which then counts nothing outside an audit's phases);
+    - the ordinary checks run on every step: their cost is their mean per measured step (a NaN's
+      confirming replay on an ordinary step counted with them);
+    - an audit costs its phases beyond the ordinary checks plus its steps' extra wall time outside
+      them (the median plain time of audit steps over the step time: deterministic kernels, the
+      recording a replay needs); a weight check its phase;
+    - each premium is ``cost x runs / (steps x step time)``, so the premiums add up to the run's.
+    None before any step is measured (no step time)."""
+    total = sum(steps.values())
+    measured = sum(sampled.values())
+    if not measured or not (ordinary_plain or audit_plain):
+        return None
+    source = "ordinary steps" if ordinary_plain else "audit steps"
+    step_time = statistics.median(ordinary_plain or audit_plain)
+    if not (math.isfinite(step_time) and step_time > 0):
+        return None
+    outside = max(0.0, statistics.median(audit_plain) - step_time) if ordinary_plain and audit_plain else 0.0
+    each = {
+        "ordinary": (ordinary_seconds + own.get("ordinary", 0.0)) / measured,
+        "audit": own.get("audit", 0.0) / sampled["audit"] + outside if sampled.get("audit") else 0.0,
+        "weights": own.get("weights", 0.0) / sampled["weights"] if sampled.get("weights") else 0.0,
+    }
+    runs = {"ordinary": total, "audit": steps.get("audit", 0), "weights": steps.get("weights", 0)}
+    checks = {}
+    for kind in KINDS:
+        spent = each[kind] * runs[kind]
+        checks[kind] = {"runs": runs[kind], "seconds_each": round(each[kind], 9),
+                        "premium": round(spent / (total * step_time), 9), "seconds": round(spent, 6)}
+    checks["audit"]["outside_phases_s"] = round(outside, 9)
+    premium_total = sum(c["seconds"] for c in checks.values()) / (total * step_time)
+    return {
+        "step_time_s": round(step_time, 9), "step_time_from": source,
+        "checked_step_s": round(step_time * (1 + premium_total), 9),
+        "world_size": world_size, "steps": dict(steps), "measured_steps": dict(sampled),
+        "checks": checks, "premium": round(premium_total, 9),
+        "premium_seconds": round(sum(c["seconds"] for c in checks.values()), 6),
+    }
+
+
 def starting_interval(config: Config) -> int:
     """The interval a budgeted run starts with: ``audit_every``, at most ``max_audit_interval``."""
     assert config.max_audit_interval is not None
@@ -178,15 +316,17 @@ def starting_interval(config: Config) -> int:
 
 
 class Budget:
-    """The audit interval of one rank's Guard under ``Config.max_overhead``: measures each step's
-    end (:meth:`ended`) and re-decides at the end of each audit step, with every other rank."""
+    """The audit interval of one rank's Guard under ``Config.max_overhead``: re-decides at the end
+    of each audit step (:meth:`ended`), with every other rank, from what its :class:`Meter` measured."""
 
     def __init__(self, config: Config, stats: CheckStats, device: torch.device,
-                 group: dist.ProcessGroup | None, world_size: int, rank: int) -> None:
+                 group: dist.ProcessGroup | None, world_size: int, rank: int, meter: Meter | None = None) -> None:
         assert config.max_overhead is not None and config.max_audit_interval is not None
         self.budget = float(config.max_overhead)
         self.cap = config.max_audit_interval
         self.stats = stats
+        self.meter = meter if meter is not None else Meter(stats, world_size)
+        """The step measurements (the Guard's own, which it feeds)."""
         self.device = device
         self.group = group
         self.world_size = world_size
@@ -199,45 +339,23 @@ class Budget:
         self.decided_at: int | None = None
         self.measurement: Measurement | None = None
         self.wanted: int | None = None
-        self._ordinary: deque[Sample] = deque(maxlen=ORDINARY_WINDOW)
-        self._audits: deque[Sample] = deque(maxlen=AUDIT_WINDOW)
-        self._audit = False
-        self._last_end: float | None = None
-        self._last_checks = 0.0
         self._publish()
 
-    # -- the step's hooks (the Guard calls them) ----------------------------------------------
-
-    def begin(self, audit: bool) -> None:
-        """A step begins; ``audit``: it is an audit step (the same on every rank)."""
-        self._audit = audit
-
-    def interrupted(self) -> None:
-        """The step failed: the next step's wall time would span it, so it gives no sample."""
-        self._last_end = None
-
     def ended(self, step: int) -> None:
-        """The step ended (after check 3): take its sample; after an audit step, re-decide."""
-        now = time.perf_counter()
-        checks = sum(self.stats.seconds.values())
-        sample = None
-        if self._last_end is not None:
-            sample = Sample(max(0.0, checks - self._last_checks), max(0.0, now - self._last_end))
-            (self._audits if self._audit else self._ordinary).append(sample)
-        if self._audit:
-            self.decide(step)
-            spent = time.perf_counter() - now
-            if sample is not None:  # the decision's own time is part of what the audit step costs
-                self._audits[-1] = Sample(sample.checks + spent, sample.wall + spent)
-            now += spent
-        self._last_end, self._last_checks = now, checks
+        """The step ended and the meter took its sample: after an audit step, re-decide (the
+        decision's own time counts in what that audit step cost)."""
+        if self.meter.kind != "audit":
+            return
+        started = time.perf_counter()
+        self.decide(step)
+        self.meter.amend(time.perf_counter() - started)
 
     # -- the decision ---------------------------------------------------------------------------
 
     def decide(self, step: int) -> int:
         """Every rank's wanted interval, agreed (the largest); the same on every rank. Called on
         every rank at the same steps (the end of each audit step)."""
-        self.measurement = estimate(self._ordinary, self._audits)
+        self.measurement = estimate(self.meter.ordinary, self.meter.audits)
         m = self.measurement
         self.wanted = None if m is None else choose_interval(m.ordinary_cost, m.audit_cost, m.step_time,
                                                              self.budget, self.cap)
@@ -278,7 +396,7 @@ class Budget:
             "decided_at_step": self.decided_at, "decisions": self.decisions, "changes": self.changes,
             "wanted_here": self.wanted, "premium_here": p,
             "measured_here": self.measurement.as_dict() if self.measurement is not None else None,
-            "samples_here": {"ordinary": len(self._ordinary), "audit": len(self._audits)},
+            "samples_here": {"ordinary": len(self.meter.ordinary), "audit": len(self.meter.audits)},
         }
 
     def _publish(self) -> None:

@@ -1,4 +1,4 @@
-"""The ``sdcguard`` command: ``drill``, ``verify-checkpoint``, ``sidecar``, ``operator``, and the
+"""The ``sdcguard`` command: ``drill``, ``verify-checkpoint``, ``report``, ``sidecar``, ``operator``, and the
 local sandbox: ``sandbox`` (serve it) and ``demo`` (the whole loop once)."""
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sdcguard", description="silent-data-corruption detection for PyTorch training")
     sub = parser.add_subparsers(dest="command", required=True)
     drill.add_arguments(sub.add_parser(
-        "drill", help="run a fault-injection drill (multi-process DDP, or FSDP2 with --shard)", description=drill.DESCRIPTION,
+        "drill", help="run a fault-injection drill (multi-process DDP, FSDP2 with --shard, a pipeline with --pp)", description=drill.DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter))
     verify = sub.add_parser("verify-checkpoint", help="check a checkpoint against its manifest (exit 0 good, 1 mismatch, 2 bad input)",
                             description="Check a checkpoint file against its manifest (PATH.sdcguard.json), a "
@@ -55,11 +55,21 @@ def main(argv: list[str] | None = None) -> int:
                              "Only classes: functions, other callables and anything from modules that can run "
                              "code or touch the system (builtins, os, subprocess, sys, importlib, shutil, ...) "
                              "are refused")
+    report = sub.add_parser("report", help="what a job's integrity checking cost, from its spool",
+                            description="Read a spool's statistics and alarms: steps run, checks run by kind, the "
+                                        "premium each kind of check added (measured while training), the audit "
+                                        "interval and why, each alarm's rollback waste, and the cost of the "
+                                        "integrity-checked run in GPU-hours (docs/library.md, The cost of a checked run).")
+    report.add_argument("spool", type=Path, help="the spool directory (SDCGUARD_SPOOL: stats/rank-*.json, alarms)")
+    report.add_argument("-o", "--output", choices=("text", "json"), default="text")
     for name, (_, _, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     args = parser.parse_args(argv)
     if args.command == "verify-checkpoint":
         return _verify_checkpoint(args.path, args.step, args.sha256, args.allow_global)
+    if args.command == "report":
+        from .run_cost import main as report_main
+        return report_main(str(args.spool), args.output)
     return _drill(args)
 
 

@@ -90,6 +90,14 @@ class Config:
     audit_checkpoints: bool = True
     """Audit every ``checkpoint_every``-th step (only with ``checkpoint_every``)."""
 
+    device_gate: bool = False
+    """Decide the update of an ordinary step on the device: checks 1 and 4 leave a ``found_inf``
+    that a fused optimizer (``torch.optim.Adam``, ``AdamW`` or ``SGD`` with ``fused=True``; any
+    other is refused at start-up) reads, skipping the update on the device when a check failed.
+    The step then needs no host synchronisation; the host reads the verdict one step later
+    (before it allows the next update, before any checkpoint is written, at ``Guard.settle()`` and
+    ``close()``) and raises the same alarm there. Audit and weight-check steps stay synchronous."""
+
     on_nonfinite: str = "raise"
     """A NaN/Inf gradient that reproduces on another node (the data or the model, not the
     hardware): ``"raise"`` :class:`~sdcguard.errors.NonFiniteGradient` on every rank, or
@@ -114,6 +122,8 @@ class Config:
         ):
             raise ValueError(f"ranks_per_node must be an integer >= 1, got {self.ranks_per_node!r}")
         self._check_budget()
+        if not isinstance(self.device_gate, bool):
+            raise ValueError(f"device_gate must be True or False, got {self.device_gate!r}")
         if self.on_nonfinite not in NONFINITE_ACTIONS:
             raise ValueError(f"on_nonfinite must be one of {NONFINITE_ACTIONS}, got {self.on_nonfinite!r}")
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .contract.alarm import gpu_text
+
 
 class SDCDetected(RuntimeError):
     """A check found silent data corruption; the step was not applied (or, for check 3, the
@@ -66,4 +68,6 @@ def _describe(suspect: dict[str, Any]) -> str:
         where.append(f"node {suspect['node']}")
     if suspect.get("pod"):
         where.append(f"pod {suspect['pod']}")
+    if suspect.get("gpu"):
+        where.append(gpu_text(suspect["gpu"]))
     return " ".join(where)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import recovery
-from .budget import DECIDED, Budget
+from .budget import DECIDED, Budget, Meter
 from .checks.commhook import ReduceHook
 from .checks.determinism import check_replayable
 from .checks.replay import ForwardBuffers
@@ -40,7 +40,8 @@ from .config import Config
 from .contract.stats import CheckStats, stats_path
 from .errors import NonFiniteGradient
 from .fingerprint import triton_kernel as fingerprint_triton
-from .gate import UpdateGate
+from .fingerprint import triton_checksum
+from .gate import Pending, UpdateGate, device_gate_refusal, to_host
 from .layouts import Layout, StepRecord, build_layout, param_device, unwrap
 from .reporting import AlarmReporter
 from .step import Step, StepContext
@@ -65,7 +66,7 @@ class Guard:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None = None,
         *,
         config: Config | None = None,
         scaler: torch.amp.GradScaler | None = None,
@@ -80,6 +81,10 @@ class Guard:
         # A disabled GradScaler (what nanoGPT builds for float32/bfloat16) never skips a step: none.
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.config = config if config is not None else Config.from_env()
+        if self.config.device_gate:
+            refusal = device_gate_refusal(optimizer)
+            if refusal is not None:
+                raise ValueError(refusal)
         # The parts.
         self.gate = UpdateGate(optimizer)
         """Refuses an update before its step's checks passed; counts the updates the weights hold."""
@@ -99,8 +104,9 @@ class Guard:
         """Check 2 can run: more than one rank."""
         if self.config.audit_every and self._replays:
             check_replayable(self.topology, param_device(self.module))
-        if param_device(self.module).type == "cuda":  # compile and self-test the GPU kernel now, not mid-step
+        if param_device(self.module).type == "cuda":  # compile and self-test the GPU kernels now, not mid-step
             fingerprint_triton.ready(param_device(self.module))
+            triton_checksum.ready(param_device(self.module))
         self.forwards = ForwardBuffers()
         """The buffers each forward of a recorded step sees (what its replay loads)."""
         if not self.solo and any(True for _ in self.module.buffers()):
@@ -109,11 +115,13 @@ class Guard:
         self.stats = CheckStats(self.topology.identities[self.topology.rank], self.config.job)
         self.verifier = Verifier(self.layout, self.stats)
         self.reporter = AlarmReporter(self.config, self.topology, self.stats, self.group)
+        self.meter = Meter(self.stats, self.topology.world_size)
+        """What each step and each kind of check cost on this rank (the statistics' ``cost``)."""
         self.budget: Budget | None = None
         """The integrity budget's audit interval (``Config.max_overhead``), or None: ``audit_every``."""
         if self.config.budgeted and self._replays:
             self.budget = Budget(self.config, self.stats, self.device, self.group,
-                                 self.topology.world_size, self.topology.rank)
+                                 self.topology.world_size, self.topology.rank, meter=self.meter)
         else:
             self.stats.audit_schedule = {"mode": "fixed", "interval": self.config.audit_every if self._replays else 0}
         self._step_context = StepContext(model=model, loss_fn=loss_fn, scaler=self.scaler, layout=self.layout,
@@ -121,6 +129,8 @@ class Guard:
                                          verify=self._verify, end=self._end)
         self.nonfinite_skipped = 0
         """Steps skipped because of a reproduced NaN/Inf (``on_nonfinite="skip"``)."""
+        self._pending: Pending | None = None
+        """The last step whose verdict the device decided and the host has not read (``device_gate``)."""
         self._closed = False
         # The statistics reach the spool even when nobody calls close(): when this Guard is
         # collected (a Guard local to a function that returned) or at interpreter exit, whichever
@@ -137,8 +147,8 @@ class Guard:
 
         ``audit=True`` makes this step an audit step on demand (e.g. before a checkpoint);
         every rank must pass the same value."""
-        return Step(self._step_context, step, micro_batches,
-                    self.is_audit_step(step) if audit is None else bool(audit) and self._replays)
+        audit = self.is_audit_step(step) if audit is None else bool(audit) and self._replays
+        return Step(self._step_context, step, micro_batches, audit and self.layout.can_audit())
 
     def train_step(self, step: int, batch: Any = None, *, micro_batches: Sequence[Any] | None = None,
                    clip_grad_norm: float | None = None, audit: bool | None = None) -> torch.Tensor:
@@ -223,23 +233,65 @@ class Guard:
         if verdict is not None:
             self.reporter.raise_alarm(step, verdict, self.history)
 
+    def settle(self) -> None:
+        """With ``Config.device_gate``: read the verdict of the last step decided on the device now,
+        and raise what ``check()`` would have raised for it (its alarm, or NonFiniteGradient).
+        Every rank must call it. The Guard does at the next ``check()``, before a checkpoint is
+        written and at ``close()``; nothing happens when no verdict is pending."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        x, y, failed = pending.read()
+        saved = pending.scale
+        scale = None if saved is None else (lambda t: t * saved.to(device=t.device, non_blocking=True))
+        outcome = self.verifier.settle(pending.record, pending.vote, x, y, scale)
+        found = outcome.verdict is not None or outcome.nonfinite is not None
+        if failed:
+            for p in pending.fresh:  # a masked first step's empty SGD momentum buffers
+                self.optimizer.state.get(p, {}).pop("momentum_buffer", None)
+            if not found:
+                log.warning("sdcguard: step %d: its update was held back on the device (the checks' sums were not "
+                            "finite: float32 overflow of finite gradient norms); the step is skipped", pending.step)
+        elif found:
+            log.error("sdcguard: step %d: the device let an update through that the host judges failed",
+                      pending.step)
+        if outcome.verdict is not None:
+            if failed:
+                self.gate.updates_through = pending.updates_before  # its update was never applied
+            self.reporter.raise_alarm(pending.step, outcome.verdict, self.history)
+        if outcome.nonfinite is not None and self.scaler is None:
+            error = NonFiniteGradient(step=pending.step, ranks=outcome.nonfinite, confirmed=outcome.confirmed)
+            if self.config.on_nonfinite != "skip":
+                raise error
+            log.warning("%s; its update was skipped on the device (on_nonfinite=skip)", error)
+            self.nonfinite_skipped += 1
+
     def flush_stats(self) -> None:
         """Write this rank's check statistics to the spool now."""
         self.stats.flush(self.config.spool, force=True)
 
-    def close(self) -> None:
-        """End of training: flush the statistics (also done when the Guard is collected, or at
-        interpreter exit)."""
+    def close(self, *, settle: bool = True) -> None:
+        """End of training: read a verdict still on the device (``settle``: collective), flush
+        the statistics (also done when the Guard is collected, or at interpreter exit)."""
         if not self._closed:
             self._closed = True
             self._flush_at_end.detach()
-            self.flush_stats()
+            try:
+                if settle:
+                    self.settle()
+                elif self._pending is not None:
+                    log.warning("sdcguard: step %d's verdict was still on the device when the run failed; it "
+                                "is not read (the other ranks may not be here to read it with)", self._pending.step)
+            finally:
+                self.flush_stats()
 
     def __enter__(self) -> Guard:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        # Leaving on an exception, this rank may be alone: settling would wait in collectives the
+        # other ranks never join, and hide the error.
+        self.close(settle=exc_type is None)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -277,6 +329,7 @@ class Guard:
         include: ``step`` left out, or that value), then check 3 on every rank. Returns the step the
         checkpoint holds; raises ``CheckpointError`` or ``SDCDetected`` on every rank alike."""
         from . import checkpoint
+        self.settle()  # a verdict still on the device is read first: it may be an alarm
         if self.alarms_raised:
             raise checkpoint.CheckpointError(
                 f"refusing to write {path}: this run raised {self.alarms_raised} alarm(s) and its state "
@@ -299,6 +352,7 @@ class Guard:
         DCP reads any, and each rank's loaded shards against the fingerprint its manifest records;
         ``state`` holds the extra entries you saved, loaded in place (``Stateful`` values through
         their ``load_state_dict``)."""
+        self.settle()  # a verdict still on the device belongs to the state being replaced
         step, history, digest = self.layout.store.load(str(path), model_key=model_key, expect_step=expect_step,
                                                        expect_sha256=expect_sha256, state=state)
         self.resumed(step, history, digest)
@@ -311,6 +365,7 @@ class Guard:
         self.history = history
         self.verifier.last_weights_digest = weights_digest
         self.gate.resumed_at(step)
+        self.reporter.report_resume(step, history)  # the incident learns where the run resumed from
 
     def plan_lines(self) -> list[str]:
         """Which checks run for this model's layout, and why the others do not (logged at start-up)."""
@@ -322,12 +377,24 @@ class Guard:
         self.gate.open(step)
         self.layout.begin_step(step, audit)
         self.stats.last_step = step
-        if self.budget is not None:
-            self.budget.begin(audit)
+        self.meter.begin(audit)
 
     def _verify(self, record: StepRecord) -> bool:
         """Checks 1 and 4 (and 2 and 3 on audit steps) before any update: raise on every rank
-        alike, or let the update through; True when the update will not be applied."""
+        alike, or let the update through; True when the update will not be applied.
+
+        With ``device_gate``, the previous step's verdict is read first, and an ordinary step's
+        own is left on the device (the fused optimizer skips the update when it failed)."""
+        self.settle()
+        if self.config.device_gate and not record.audit and not self.is_weight_check_step(record.step):
+            found_inf, vote, sums = self.verifier.on_device(record)
+            before = self.gate.updates_through
+            fresh = self.gate.allow_masked(found_inf)
+            host, ready = to_host(torch.cat([sums, found_inf.to(sums.dtype).reshape(1)]))
+            scale = self.scaler._scale.clone() if self.scaler is not None and self.scaler._scale is not None else None
+            self._pending = Pending(record.step, record, vote, host, ready, updates_before=before, fresh=fresh,
+                                    scale=scale)
+            return False
         outcome = self.verifier.before_update(record, self._scale)
         if outcome.verdict is not None:
             self.reporter.raise_alarm(record.step, outcome.verdict, self.history)
@@ -338,11 +405,11 @@ class Guard:
         return skipped
 
     def _end(self, step: int, unchecked: bool, failed: BaseException | None) -> None:
-        # A NaN/Inf refused as the data's is done with, unapplied: the weights are the step before's.
-        self.gate.close(done=failed is None or isinstance(failed, NonFiniteGradient))
+        # A NaN/Inf refused as the data's is done with, unapplied: the weights are the step before's
+        # (one about the step before, read late by the device gate, leaves this step undone).
+        self.gate.close(done=failed is None or isinstance(failed, NonFiniteGradient) and failed.step == step)
         if failed is not None:
-            if self.budget is not None:
-                self.budget.interrupted()
+            self.meter.interrupted()
             return
         if unchecked:
             raise RuntimeError(f"sdcguard: step {step} ended without s.check(): its gradients were never checked")
@@ -350,7 +417,8 @@ class Guard:
             self.check_weights(step)
         self.stats.last_verified_step = self.history.last_verified_step
         self.stats.steps += 1
-        if self.budget is not None:  # measure the step; after an audit, re-decide the interval
+        self.meter.ended(weights=self.is_weight_check_step(step))  # measure the step
+        if self.budget is not None:  # after an audit, re-decide the interval
             self.budget.ended(step)
         self.stats.flush(self.config.spool)
 
@@ -387,6 +455,9 @@ class Guard:
         log.info("sdcguard: %d ranks, %d per node, audit every %s, weight check every %s, spool %s",
                  topo.world_size, topo.ranks_per_node, audits,
                  cfg.weight_check_every or "never", cfg.spool or "(none)")
+        if cfg.device_gate:
+            log.info("sdcguard: device gate: an ordinary step's update is decided on the device (the fused "
+                     "optimizer's found_inf); its verdict is read at the next check(), save or close()")
         if self.budget is not None and cfg.checkpoint_every and not cfg.audit_checkpoints:
             log.warning("sdcguard: the audit interval changes under max_overhead, so checkpoints every %d steps "
                         "are not all audit steps: an alarm may name an older checkpoint than the newest; set "

@@ -76,8 +76,11 @@ def still_holds_any(path: str, step: int, sha256: str | None) -> bool:
     from .checkpoint import CheckpointError, read_manifest
     from .checkpoint_folder import is_checkpoint_folder, verify_folder
     from .sharding import dcp_manifest
+    from .layouts import pipeline_store
     try:
-        if dcp_manifest.is_sharded_checkpoint(path):
+        if pipeline_store.is_pipeline_checkpoint(path):
+            pipeline_store.read_manifest(path, expect_step=step, expect_sha256=sha256)
+        elif dcp_manifest.is_sharded_checkpoint(path):
             dcp_manifest.read(path, expect_step=step, expect_sha256=sha256)
         elif Path(path).is_dir() and is_checkpoint_folder(path):
             verify_folder(path, expect_step=step, expect_sha256=sha256)

@@ -37,6 +37,13 @@ class AlarmReporter:
         self.group = group
         self.alarms_raised = 0
 
+    def _cost_fields(self) -> dict[str, Any]:
+        """What the operator needs for the rollback's cost: this rank's measured checked step time
+        (absent before a step was measured) and the job's ranks (``operator/cost.py``)."""
+        cost = self.stats.cost()
+        seconds = {"step_seconds": cost["checked_step_s"]} if cost is not None else {}
+        return {**seconds, "world_size": self.topology.world_size}
+
     def raise_alarm(self, step: int, verdict: Verdict, history: recovery.History) -> None:
         """Report ``verdict`` and raise :class:`SDCDetected` with its record (on every rank)."""
         raise SDCDetected(alarm=self.report(step, verdict, history))
@@ -58,6 +65,7 @@ class AlarmReporter:
             evidence=verdict.evidence,
             **recovery.recovery_fields(verdict.check, step, history),
             **({"drill": True} if self.config.drill else {}),
+            **self._cost_fields(),
         )
         patience = self.config.publish_wait() if self.config.spool else 0.0
         if topo.rank == reporter:
@@ -73,3 +81,22 @@ class AlarmReporter:
         self.stats.alarms += 1
         self.stats.flush(self.config.spool, force=True)
         return record
+
+    def report_resume(self, step: int, history: recovery.History) -> None:
+        """The run started from the checkpoint of ``step``: rank 0 leaves a resume record (path, step,
+        sha256) in the spool for the sidecar to publish, so that the job's incident records which
+        checkpoint it actually resumed from (contract/resume.py). Nobody waits for it; outside a
+        Kubernetes job with a spool nothing is written."""
+        if self.topology.rank != 0 or not self.config.spool or self.config.job is None:
+            return
+        checkpoint = next((c for c in reversed(history.checkpoints) if c.step == step), None)
+        if checkpoint is None:
+            return
+        from .contract.resume import ResumeError, make_resume
+        try:
+            record = make_resume(resume_id=f"{self.topology.run_id}-resume-step{step}", job=self.config.job,
+                                 reporter=self.topology.identities[self.topology.rank], path=checkpoint.path,
+                                 step=step, sha256=checkpoint.sha256)
+            spool.write_resume(self.config.spool, record)
+        except (ResumeError, OSError) as exc:  # the record is evidence, never a reason to stop training
+            log.warning("sdcguard: could not spool the resume record for step %d: %s", step, exc)

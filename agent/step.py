@@ -30,7 +30,7 @@ import torch
 from .checks.determinism import deterministic
 from .checks.replay import ForwardBuffers, Payload, Weighting
 from .checks.rng import forward_seed, seeded
-from .fingerprint import Fingerprint, fingerprint
+from .fingerprint import fingerprint_many
 from .layouts.base import Layout, StepRecord
 
 
@@ -40,7 +40,8 @@ class StepContext:
 
     model: torch.nn.Module
     """What ``loss_fn`` is called with for the real pass (DDP, compiled, or plain)."""
-    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None
+    """None for a pipeline schedule, which computes its own loss."""
     scaler: Any
     """An enabled GradScaler, or None."""
     layout: Layout
@@ -60,7 +61,7 @@ class StepContext:
 class Step:
     """What one step has done so far; made by :meth:`Guard.step`, used as a context manager."""
 
-    __slots__ = ("ctx", "step", "audit", "micro_batches", "batches", "weighting", "loss_fps",
+    __slots__ = ("ctx", "step", "audit", "micro_batches", "batches", "weighting", "audited_losses",
                  "buffers", "losses", "checked", "skipped")
 
     def __init__(self, ctx: StepContext, step: int, micro_batches: int, audit: bool) -> None:
@@ -74,7 +75,9 @@ class Step:
         # What a replay needs, per micro-batch.
         self.batches: list[Any] = []
         self.weighting: list[Weighting | None] = []
-        self.loss_fps: list[Fingerprint] = []
+        self.audited_losses: list[torch.Tensor] = []
+        """Audit steps: a copy of each loss as computed, fingerprinted all at once by ``record()``
+        (one read to the host after the backward, not one stall per forward)."""
         self.buffers: list[dict[str, torch.Tensor]] = []
         self.losses: list[torch.Tensor] = []
         self.checked = False
@@ -95,6 +98,8 @@ class Step:
         gradients on the last of the ``micro_batches`` declared to :meth:`Guard.step`."""
         weighting = _weighting(weight, divide_by)
         ctx = self.ctx
+        if ctx.loss_fn is None:
+            raise TypeError("sdcguard: the Guard holds a pipeline schedule: run the step with s.run_schedule(...)")
         last = len(self.batches) == self.micro_batches - 1
         with ctx.layout.micro_batch(last):
             with self._forward(micro, "backward()") as record:
@@ -103,6 +108,35 @@ class Step:
                 scaled = weighting.apply(loss) if weighting is not None else loss
                 (ctx.scaler.scale(scaled) if ctx.scaler is not None else scaled).backward()
         return loss.detach()
+
+    # -- a pipeline schedule -------------------------------------------------------------------
+
+    def run_schedule(self, *args: Any, target: Any = None, losses: list[torch.Tensor] | None = None,
+                     **kwargs: Any) -> Any:
+        """One step of the pipeline schedule the Guard was built on (``schedule.step``, same
+        arguments: the whole batch on the first stage, ``target`` on the last, ``kwargs`` on
+        every stage); returns what it returns. The schedule runs its own micro-batches: declare
+        ``micro_batches=1`` to :meth:`Guard.step`. ``losses`` receives the last stage's
+        micro-batch losses, as the schedule gives them."""
+        ctx = self.ctx
+        if isinstance(ctx.model, torch.nn.Module) or not callable(getattr(ctx.model, "step", None)):
+            raise TypeError("sdcguard: run_schedule() needs the Guard built on a pipeline schedule "
+                            "(Guard(schedule, optimizer)); for a module use backward()")
+        index = self._next("run_schedule()")
+        mine: list[torch.Tensor] = []
+        with ctx.layout.micro_batch(last=True), self._exact():
+            seed_rank = ctx.layout.seed_rank(ctx.layout.topology.rank)
+            with seeded(forward_seed(ctx.seed, self.step, seed_rank, index), ctx.layout.device):
+                out = ctx.model.step(*args, target=target, losses=mine, **kwargs)
+        detached = [loss.detach() for loss in mine]
+        if losses is not None:
+            losses.extend(detached)
+        self.batches.append({"args": list(args), "kwargs": dict(kwargs), "target": target})
+        self.weighting.append(None)
+        if self.audit:
+            self.audited_losses.extend(loss.clone() for loss in detached)
+        self.losses.extend(detached)
+        return out
 
     # -- for a framework that runs the forward and the backward itself -------------------------
 
@@ -153,7 +187,7 @@ class Step:
         loss = recorded[0].detach()
         self.batches.append(micro)
         if self.audit:
-            self.loss_fps.append(fingerprint(loss))
+            self.audited_losses.append(loss.clone())
         self.losses.append(loss)
 
     def backward_pass(self, *, weight: float | None = None,
@@ -203,7 +237,8 @@ class Step:
     def loss(self) -> torch.Tensor:
         """The mean of the micro-batch losses (unweighted, detached)."""
         if not self.losses:
-            raise RuntimeError("no backward() has run in this step yet")
+            raise RuntimeError("no backward() has run in this step yet (or this pipeline stage is not the last: "
+                               "only the last stage has losses)")
         total = self.losses[0]
         for more in self.losses[1:]:
             total = total + more
@@ -217,7 +252,8 @@ class Step:
 
     def record(self) -> StepRecord:
         """What the checks read of this step."""
-        return StepRecord(self.step, self.audit, self.payload(), list(self.loss_fps), list(self.losses))
+        loss_fps = fingerprint_many(self.audited_losses) if self.audited_losses else []
+        return StepRecord(self.step, self.audit, self.payload(), loss_fps, list(self.losses))
 
     # -- the context ---------------------------------------------------------------------------
 

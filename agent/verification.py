@@ -19,15 +19,16 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from . import recovery
-from .checks.exchange import DIGEST_BYTES, agree, gather_digests, serialize
+from .checks.exchange import DIGEST_BYTES, TRAFFIC, agree, gather_digests, serialize, wait
 from .checks.nonfinite import gather_norms, judge_nonfinite, nonfinite_local_ranks, sum_votes
-from .checks.reduce_checksum import judge_checksum
+from .checks.reduce_checksum import failed_on_device, judge_checksum
 from .checks.verdict import Verdict
 from .checks.weights import WeightCheck
 from .contract.stats import CheckStats
-from .layouts.base import Layout, Scale, StepRecord, gradients_finite, raise_replay_failures
+from .layouts.base import Layout, Scale, StepRecord, Vote, gradients_finite, local_tensor, raise_replay_failures
 
 log = logging.getLogger("sdcguard")
 
@@ -93,8 +94,52 @@ class Verifier:
         vote = self.layout.vote(s)
         x, y = sum_votes(vote.vote, self.group)  # the common case: 16 bytes
         self.stats.timed("nonfinite", started)
+        return self._judge_sums(s, vote, x, y, scale)
+
+    # -- before the update, decided on the device (Config.device_gate) --------------------------
+
+    def on_device(self, s: StepRecord) -> tuple[torch.Tensor, Vote, torch.Tensor]:
+        """Checks 1 and 4 of an ordinary step without a host sync: ``(found_inf, vote, sums)`` —
+        the fused optimizer's mask (``reduce_checksum.failed_on_device``), this rank's vote with
+        its per-rank row already taken, and the summed ``[X, Y]``, all on the device. The host
+        judges the sums later with :meth:`settle`, to the same verdict."""
+        started = time.perf_counter()
+        if self.solo:
+            finite = [torch.isfinite(local_tensor(p.grad)).all() for _, p in self.layout.named_parameters
+                      if p.grad is not None]
+            ok = torch.stack(finite).all() if finite else torch.ones((), dtype=torch.bool, device=self.device)
+            total = torch.stack([ok.to(torch.float64), ok.to(torch.float64)]).log()  # [0, 0], or -inf: not finite
+            vote = Vote(total, lambda: total, None)
+        else:
+            vote = self.layout.vote(s)
+            total = _sum_on_device(vote.vote, self.group)
+            row = vote.rows()  # now: the layout's records move on with the next step
+            vote = Vote(vote.vote, lambda: row, vote.shape, vote.detail)
+        found_inf = failed_on_device(total, vote.shape)
+        self.stats.timed("nonfinite", started)
+        return found_inf, vote, total
+
+    def settle(self, s: StepRecord, vote: Vote, x: float, y: float, scale: Scale) -> Outcome:
+        """The verdict of a step decided on the device, from its sums read back: the same judgement
+        as :meth:`before_update` on an ordinary step, except that a non-finite sum is never taken
+        for float32 overflow of finite gradients (the device already held that update back)."""
+        if self.solo:
+            if math.isfinite(x):
+                return PASSED
+            first = next((i for i, loss in enumerate(s.losses) if not bool(torch.isfinite(loss).all())), None)
+            return Outcome(nonfinite={0: first}, confirmed=False)
+        return self._judge_sums(s, vote, x, y, scale, deferred=True) or PASSED
+
+    def _judge_sums(self, s: StepRecord, vote: Vote, x: float, y: float, scale: Scale,
+                    deferred: bool = False) -> Outcome | None:
+        if deferred and math.isfinite(x) and not math.isfinite(y):
+            # Every local and reduced checksum was finite (X is), so every gradient was: only
+            # their float32 squared norms overflowed. The gradients are gone by now (the plain
+            # gate reads them instead); the device held this update back. Nothing to judge.
+            log.warning("sdcguard: step %d: gradient norms overflowed float32; check 4 skipped", s.step)
+            return None
         if not (math.isfinite(x) and math.isfinite(y)):
-            if self.layout.reduced_gradients_finite():
+            if not deferred and self.layout.reduced_gradients_finite():
                 # Finite gradients whose float32 norm overflowed (elements past ~1e19): a NaN/Inf
                 # anywhere in a local gradient would have reached the reduced one. Nothing to
                 # judge; check 4's bound is unknown for this step, so it does not run.
@@ -174,11 +219,15 @@ class Verifier:
 
     def weights(self, step: int) -> Verdict | None:
         """Check 3 on the weights after ``step``'s update; on success remember the step and digest.
-        With no replica to compare with nothing runs and nothing is recorded as verified."""
+        With no replica to compare with nothing is recorded as verified; pure FSDP re-runs each rank's
+        update on its ring neighbour instead (``layout.check_update``), which verifies the update, not
+        the shard it started from."""
         started = time.perf_counter()
         mine = self.layout.fingerprint_weights()
         if mine is None:
-            return None
+            verdict = self.layout.check_update(step)
+            self.stats.timed("weights", started)
+            return verdict
         verdict = None
         if self.solo or self.layout.weights_agree(mine):  # the common case: 16 bytes
             self._weights_verified(step, mine)
@@ -194,3 +243,12 @@ class Verifier:
         if self.history.last_weights_verified_step is None or step > self.history.last_weights_verified_step:
             self.history.last_weights_verified_step = step
         self.last_weights_digest = mine.digest.hex()
+
+
+def _sum_on_device(vote: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's ``[x, y]`` summed, left on the device (``nonfinite.sum_votes`` without its
+    read): on NCCL the wait only orders the current stream after the all-reduce."""
+    TRAFFIC["norms"] += vote.numel() * vote.element_size()
+    total = vote.clone()
+    wait(dist.all_reduce(total, group=group, async_op=True))
+    return total

@@ -15,6 +15,9 @@ these) and exits 1 when a drill failed. Meshes:
   hsdp3x1  3 replicas of unsharded FSDP2 units, 3 nodes x 1 rank (no reduce-scatter)
   tp3x2    tensor parallel over 2 ranks, 3 replicas of unsharded FSDP2 units, 3 nodes x 2 ranks (a TP
            group per node)
+  pp2x3    pipeline parallel: 2 stages (1F1B) x 3 replicas (DDP over each stage), 3 nodes x 2 ranks (a
+           replica per node); resumes from checkpoints every 2 steps (a pipeline resumes through
+           guard.load_checkpoint)
 """
 import argparse
 import json
@@ -31,6 +34,7 @@ MESHES = {
     "fsdp4": ["--nodes", "4", "--ranks-per-node", "1", "--shard", "4", "--replicate", "1"],
     "hsdp3x1": ["--nodes", "3", "--ranks-per-node", "1", "--shard", "1", "--replicate", "3"],
     "tp3x2": ["--nodes", "3", "--ranks-per-node", "2", "--tp", "2", "--replicate", "3"],
+    "pp2x3": ["--nodes", "3", "--ranks-per-node", "2", "--pp", "2", "--replicate", "3", "--checkpoint-every", "2"],
 }
 
 RUN = ["--steps", "18", "--audit-every", "2", "--weight-check-every", "1", "--micro-batches", "2",

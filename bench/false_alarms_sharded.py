@@ -56,6 +56,8 @@ def main() -> int:
     print(f"steps completed: {r['steps']} of {args.steps}; audited (check 2): {r['audited']}; "
           f"last audited step {r['last_audited']}, last weights verified {r['last_weights']}")
     print(f"replays compared: {r['audited'] * world} ({r['reduce_scatters']} local gradients per replay)")
+    if any(x.get("update_reruns") for x in reports):  # pure FSDP: check 3 is the update re-run
+        print(f"updates re-run by a ring neighbour (check 3, one replica): {sum(x['update_reruns'] for x in reports)}")
     print(f"false alarms: {sum(x['alarms'] for x in reports)}; non-finite: {sum(x['nonfinite'] for x in reports)}; "
           f"replay errors: {sum(x['replay_errors'] for x in reports)}")
     print(f"check 2 per step: {1e3 * r['replay_s'] / max(r['audited'], 1):.1f} ms against "
@@ -171,7 +173,8 @@ def _worker(args: argparse.Namespace) -> int:
     report = {**counts, "steps": steps, "audited": guard.stats.runs.get("replay", 0),
               "last_audited": history.last_audited_step, "last_weights": history.last_weights_verified_step,
               "reduce_scatters": len(guard.layout.recorder.records),
-              "replay_s": guard.stats.seconds.get("replay", 0.0), "backward_s": backward_s}
+              "replay_s": guard.stats.seconds.get("replay", 0.0), "backward_s": backward_s,
+              "update_reruns": getattr(getattr(guard.layout, "update_check", None), "reruns", 0)}
     Path(args.worker, f"rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()
     dist.destroy_process_group()

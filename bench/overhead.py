@@ -22,7 +22,7 @@ backward per N steps; t_replay is measured in the same run as the bare module's 
 root over an ``init_device_mesh("cpu", (R, S), ("replicate", "shard"))`` mesh; ``1xS``: pure FSDP
 over a 1-D mesh), on R*S ranks, against plain FSDP2: plain FSDP2; plus one 16-byte all-reduce;
 sdcguard's checks 1, 3 (HSDP) and 4 without audits (check 3 every 100 steps); audits every 10 (the
-step API). A sharded replay is one more forward and backward of the whole mesh, all-gathers
+step API); check 3 on every step (pure FSDP: the update re-run, ``sharding/update_check.py``). A sharded replay is one more forward and backward of the whole mesh, all-gathers
 included, with nothing reduced: t_replay is a plain FSDP2 replica's forward+backward with its
 gradient reduction off (``set_requires_gradient_sync(False)``), measured in the same run.
 """
@@ -40,6 +40,9 @@ HERE = Path(__file__).resolve().parent
 AUDIT_EVERY = {"audit every 100": 100, "audit every 10": 10, "step API, audit every 10": 10,
                "audit every 10 (step API)": 10}
 SYNC_ONLY = "plain + one 16 B sync"
+WEIGHTS_EVERY_STEP = "checks 1+3+4, check 3 every step"
+"""Sharded: check 3 on every step (HSDP: each shard across its replicas; pure FSDP: the update re-run),
+against the row with check 3 every 100 steps: what one weight-check step adds."""
 
 
 def worker(out: str, rounds: int, window: int, slice_steps: int, sharded: str | None = None, tp: int = 1) -> None:
@@ -192,9 +195,10 @@ def _sharded_configs(mesh_shape: str, rank: int, tp: int = 1):
     for name, sync in (("plain FSDP2", False), (SYNC_ONLY, True)):
         model, opt = replica()
         configs[name] = lambda step, m=model, o=opt, s=sync: plain_step(m, o, step, s)
-    for name, audit in (("checks 1+3+4 (no audit)", 0), ("audit every 10 (step API)", 10)):
+    for name, audit, weights in (("checks 1+3+4 (no audit)", 0, 100), ("audit every 10 (step API)", 10, 100),
+                                 (WEIGHTS_EVERY_STEP, 0, 1)):
         model, opt = replica()
-        guard = sdcguard.Guard(model, opt, lm_loss, config=sdcguard.Config(audit_every=audit, weight_check_every=100,
+        guard = sdcguard.Guard(model, opt, lm_loss, config=sdcguard.Config(audit_every=audit, weight_check_every=weights,
                                                                             ranks_per_node=tp))
 
         def step_api(step, g=guard, o=opt):
@@ -203,6 +207,11 @@ def _sharded_configs(mesh_shape: str, rank: int, tp: int = 1):
                 s.check()
                 o.step()
                 o.zero_grad(set_to_none=True)
+            update = getattr(g.layout, "update_check", None)
+            if update is not None and g.config.weight_check_every == 1 and step == 2 and rank == 0:  # once, in the warm-up
+                print(f"update re-run: rank 0 sent {update.bytes_sent} bytes per weight-check step (tensor data "
+                      f"{update.last_nbytes}); ms: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in update.seconds.items()),
+                      flush=True)
         configs[name] = step_api
     bare, _ = replica()
     bare.set_requires_gradient_sync(False)  # what a replay costs: forward + backward, nothing reduced

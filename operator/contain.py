@@ -8,17 +8,18 @@ incidents handled at once — by two handlers of one process or by two replicas 
 the last slot; only then is the node cordoned and labelled ``sdcguard.dev/suspect=true``.  Nodes
 carrying the label without a slot (set by hand, or left by an interrupted release) count as taken too.  A slot is
 given back when the node is released: denied, replaced, or ``kubectl sdcguard release NODE`` after
-a failed replacement.
+a failed replacement; the node condition is cleared before it (:func:`release`).
 """
 from __future__ import annotations
 
 from typing import Any
 
+import kopf
 import kubernetes
 
 from sdcguard.contract import names
 
-from . import kube, metrics
+from . import kube, metrics, node_condition, nvsentinel
 from .settings import Settings
 
 LEDGER = "sdcguard-storm-guard"
@@ -171,6 +172,10 @@ def cordon(node_name: str, incident_ref: str, job: str, settings: Settings) -> s
             return "missing"
         raise
     if (node.metadata.labels or {}).get(names.SUSPECT_LABEL) == "true":
+        if not node_condition.announced(node, incident_ref) and slot_holder(node_name, settings) == incident_ref:
+            # cordoned for it before a restart (or an API error) took this write; a False left by an
+            # earlier incident of the node is set back to True
+            announce(node_name, incident_ref, settings)
         return "already"
     limit = _take_slot(node_name, incident_ref, job, settings)
     if limit:
@@ -183,12 +188,37 @@ def cordon(node_name: str, incident_ref: str, job: str, settings: Settings) -> s
                                        "metadata": {"labels": {names.SUSPECT_LABEL: "true"},
                                                     "annotations": annotations}})
     metrics.NODES_CORDONED.inc()
+    announce(node_name, incident_ref, settings)
     return "cordoned"
 
 
-def release(node_name: str, settings: Settings, keep_cordoned: bool = False) -> bool:
-    """Remove the suspect label (and uncordon, unless the node was cordoned before us), then give
-    the storm-guard slot back; False if the node is gone (its slot is given back all the same)."""
+def announce(node_name: str, incident_ref: str, settings: Settings) -> None:
+    """What the rest of the cluster sees of a cordon (best effort, never holding containment back):
+    the node condition, and NVSentinel's ExternalFault where enabled (docs/operator.md)."""
+    try:
+        spec = kube.get_incident(*incident_ref.split("/", 1)).get("spec") or {}
+    except Exception as exc:  # noqa: BLE001
+        node_condition.log.warning("node %s: incident %s not read, nothing announced: %s", node_name, incident_ref, exc)
+        return
+    node_condition.mark(node_name, incident_ref, spec)
+    if settings.nvsentinel_external_fault:
+        nvsentinel.raise_fault(node_name, incident_ref, spec)
+
+
+def release(node_name: str, settings: Settings, keep_cordoned: bool = False,
+            why: str = node_condition.RELEASED, text: str = "storm-guard slot given back") -> bool:
+    """Set the node condition ``False`` (reason ``why``), remove the suspect label (and uncordon,
+    unless the node was cordoned before us), then give the storm-guard slot back; False if the node
+    is gone (its slot is given back all the same).
+
+    The condition goes first, and a failure to write it stops here (kopf.TemporaryError): once the
+    slot is gone no later pass knows the node was sdcguard's, and a ``True`` left behind is a
+    remediation trigger (NodeHealthCheck) on a node a person gave back."""
+    try:
+        node_condition.clear(node_name, why, text)
+    except Exception as exc:  # noqa: BLE001 - any API error: retried, the slot stays until it is written
+        raise kopf.TemporaryError(f"node {node_name}: condition {names.NODE_CONDITION} not cleared ({why}): {exc}; "
+                                  "the storm-guard slot is kept until it is", delay=settings.retry_seconds) from None
     try:
         node = kube.core().read_node(node_name)
     except Exception as exc:

@@ -14,6 +14,8 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
+from sdcguard.contract import names
+
 from . import metrics
 from .settings import Settings
 
@@ -87,6 +89,16 @@ def _call(settings: Settings, operation: str, **params: Any) -> dict[str, Any]:
 
 def _snake(operation: str) -> str:
     return "".join("_" + c.lower() if c.isupper() else c for c in operation).lstrip("_")
+
+
+PENDING_REPLACEMENT, PENDING_REBOOT = names.HYPERPOD_PENDING_HEALTH
+
+
+def pending_mark(labels: dict[str, str] | None) -> str | None:
+    """HyperPod's own pending action on a node (label ``sagemaker.amazonaws.com/node-health-status``:
+    ``UnschedulablePendingReplacement`` or ``UnschedulablePendingReboot``), or None."""
+    value = (labels or {}).get(names.HYPERPOD_HEALTH_LABEL)
+    return value if value in names.HYPERPOD_PENDING_HEALTH else None
 
 
 def start_health_check(settings: Settings, cluster: str, group: str, instance_id: str) -> None:

@@ -11,6 +11,7 @@ fields; they are then left out of the status (a merge patch drops nulls), never 
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from typing import Any
 
@@ -21,7 +22,7 @@ from sdcguard.contract import names
 from sdcguard.contract import alarm as alarm_schema
 from sdcguard.contract.phases import IncidentPhase
 
-from . import contain, hyperpod, kube, localize, master_key, metrics, replacement
+from . import contain, cost, hyperpod, inventory, kube, localize, master_key, metrics, offenders, replacement
 from .approval import TERMINAL
 from .settings import Settings
 
@@ -257,6 +258,8 @@ def reconcile(body: dict[str, Any], settings: Settings) -> None:
                     only_if=lambda st: not kube.is_true(st, "StormGuard"),
                     conditions=[kube.condition("StormGuard", True, reason, f"held back: {', '.join(held)}")])
         raise kopf.TemporaryError(f"storm guard holds {held}", delay=settings.storm_guard_recheck_seconds)
+    if "repeatOffenders" not in status:  # after containment, once no node is held back: it counts held slots
+        _judge_history(namespace, name, ref, spec, settings)
     status = kube.get_incident(namespace, name).get("status") or {}
     if kube.is_true(status, "StormGuard"):
         _record(namespace, name, "StormGuardReleased", "every suspect node is now cordoned",
@@ -305,28 +308,83 @@ def follow(ref: str, replacement_body: dict[str, Any]) -> None:
     name = replacement_body["metadata"]["name"]
     entry = next((e for e in reversed(status.get("timeline") or []) if e.get("phase") == phase), None)
     event, message = (f"Replacement{entry['event']}", f"{name}: {entry.get('message', '')}") if entry else ("", "")
-    note(ref, event, message, name, phase)
+    note(ref, event, message, name, phase, denied_healthy=cost.denied_after_passed_check(status))
 
 
 def _open(namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     """First record, with the recovery plan; duplicates may have joined already (their count is kept)."""
     plan = recovery(spec)
+    taken = inventory.take(spec)  # before the job is suspended: its pods go then
     at_risk = f", {plan['stepsAtRisk']} steps at risk" if plan["stepsAtRisk"] is not None else ""
     message = (f"{'drill ' if spec.get('drill') else ''}{spec['check']} alarm at step {spec['step']} naming "
                f"{', '.join(str(s['node']) for s in spec['suspects']) or 'no rank'}; resume from "
                f"{resume_text(plan)}{at_risk}")
 
+    waste = cost.rollback(plan["stepsAtRisk"], spec.get("alarm") or {})  # status.cost, what it knows
+    opened: list[bool] = []
+
     def change(status: dict[str, Any]) -> dict[str, Any]:
+        opened[:] = [not status.get("phase")]
         if status.get("phase"):
             return {}  # opened meanwhile (a retry whose first write landed)
-        return {"phase": IncidentPhase.CONTAINING, **plan,
+        return {"phase": IncidentPhase.CONTAINING, **plan, "inventory": taken, **({"cost": waste} if waste else {}),
                 "alarmCount": 1 + len(status.get("duplicates") or []),
                 "timeline": [{"time": kube.now(), "event": "Opened", "message": message}]
                 + list(status.get("timeline") or [])}
-    return kube.update_status(names.INCIDENTS, namespace, name, change).get("status") or {}
+    status = kube.update_status(names.INCIDENTS, namespace, name, change).get("status") or {}
+    if opened and opened[0] and "rollbackGpuSeconds" in waste:  # counted once: by the write that opened it
+        metrics.ROLLBACK_GPU_SECONDS.labels(spec["check"]).inc(waste["rollbackGpuSeconds"])
+    return status
 
 
-def _record(namespace: str, name: str, event: str, message: str, **fields: Any) -> dict[str, Any]:
+def needs_history(status: dict[str, Any], **_: Any) -> bool:
+    """Whether an incident's hardware is still to be judged (:func:`judge`, its own kopf timer): one
+    the operator acted on (past Containing, not yet Resolved) without ``status.repeatOffenders``
+    (the judgement failed, or an older operator opened it). Never the whole containment path again."""
+    if any(c.get("type") == "Verified" and c.get("status") == "False" for c in status.get("conditions") or []):
+        return False
+    return "repeatOffenders" not in status and status.get("phase") in (IncidentPhase.AWAITING_APPROVAL,
+                                                                     IncidentPhase.CONTAINED)
+
+
+def judge(body: dict[str, Any], settings: Settings) -> None:
+    """Judge a contained incident's hardware (:func:`needs_history`): only one the operator created
+    (its seal checked: the phase that selected it is unsealed status)."""
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    body = kube.get_incident(namespace, name)
+    try:
+        verify(body, settings)
+    except NotVerified:
+        return  # the containment handler marks it
+    if "repeatOffenders" not in (body.get("status") or {}):
+        _judge_history(namespace, name, f"{namespace}/{name}", body["spec"], settings)
+
+
+def _judge_history(namespace: str, name: str, ref: str, spec: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """Layer 7: add this incident's hardware to the operator's record (:mod:`.offenders`); each
+    instance or GPU with another incident of another job within the window is a repeat offender:
+    recorded here (``status.repeatOffenders``, condition ``RepeatOffender``) and on its node (label,
+    annotation). A failure is logged and left to the history timer (:func:`needs_history`): never
+    containment's."""
+    try:
+        found = offenders.record(ref, spec, settings)
+    except Exception as exc:  # noqa: BLE001 - evidence; the history timer tries again
+        logging.getLogger("sdcguard_operator.incident").warning(f"{ref}: repeat-offender record not updated: {exc}")
+        return {}
+    if not found:
+        return _record(namespace, name, None, "", repeatOffenders=[], only_if=lambda st: "repeatOffenders" not in st)
+    text = "; ".join(offenders.describe(o, settings) for o in found)
+    status = _record(namespace, name, "RepeatOffender", text[:4000], repeatOffenders=found,
+                     only_if=lambda st: "repeatOffenders" not in st,
+                     conditions=[kube.condition("RepeatOffender", True, "RepeatedAlarms", text[:1000])])
+    try:
+        offenders.flag_nodes(found, settings)
+    except Exception as exc:  # noqa: BLE001 - the incident holds the finding; the node's mark is a courtesy
+        logging.getLogger("sdcguard_operator.incident").warning(f"{ref}: repeat offenders' nodes not labelled: {exc}")
+    return status
+
+
+def _record(namespace: str, name: str, event: str | None, message: str, **fields: Any) -> dict[str, Any]:
     """One transition; ``only_if`` makes it happen once when handlers race (the timer and on.create)."""
     return kube.record(names.INCIDENTS, namespace, name, event, message, **fields).get("status") or {}
 
@@ -434,16 +492,24 @@ def _open_replacements(namespace: str, name: str, ref: str, spec: dict[str, Any]
                 replacements={replacement_name: "Opened"}, only_if=_node_unset(node, "replacement"))
 
 
-def note(ref: str, event: str, message: str, replacement_name: str, phase: str) -> None:
+def note(ref: str, event: str, message: str, replacement_name: str, phase: str, denied_healthy: bool = False) -> None:
     """Record a NodeReplacement's phase in the incident (once per phase: the timeline gets its entry
-    when the recorded phase changes); the incident resolves when all are done."""
+    when the recorded phase changes); the incident resolves when all are done. ``denied_healthy``:
+    the replacement was denied after its deep health check passed (``status.cost``; an incident all
+    of whose replacements were is a false-positive investigation, :mod:`.cost`)."""
     namespace, name = ref.split("/", 1)
+    false_positive: list[bool] = []
 
     def change(status: dict[str, Any]) -> dict[str, Any]:
+        false_positive[:] = [False]
         replacements = dict(status.get("replacements") or {})
         if replacement_name not in replacements:
             return {}  # not one this incident opened: a NodeReplacement naming it proves nothing
         patch: dict[str, Any] = {}
+        denied = list((status.get("cost") or {}).get("deniedAfterPassedCheck") or [])
+        if denied_healthy and replacement_name not in denied:
+            denied.append(replacement_name)
+            patch["cost"] = {"deniedAfterPassedCheck": denied}
         timeline = list(status.get("timeline") or [])
         if replacements.get(replacement_name) != phase:
             replacements[replacement_name] = phase
@@ -456,6 +522,8 @@ def note(ref: str, event: str, message: str, replacement_name: str, phase: str) 
             patch["phase"] = IncidentPhase.RESOLVED
             patch["conditions"] = kube.merge_conditions(status.get("conditions") or [], [kube.condition(
                 "Resolved", True, "ReplacementsDone", f"resume the job from {resume_text(status)}")])
+            false_positive[:] = [cost.false_positive(replacements, denied)]
+            patch["cost"] = {**patch.get("cost", {}), "falsePositive": false_positive[0]}
         if len(timeline) != len(status.get("timeline") or []):
             patch["timeline"] = timeline
         return patch
@@ -464,3 +532,6 @@ def note(ref: str, event: str, message: str, replacement_name: str, phase: str) 
     except Exception as exc:
         if not kube.not_found(exc):
             raise
+        return
+    if false_positive and false_positive[0]:  # counted once: by the write that resolved it
+        metrics.FALSE_POSITIVES.inc()

@@ -8,9 +8,12 @@ and credentials apply unchanged:
     kubectl sdcguard deny NAME [--reason TEXT]      # spec.decision=Denied: the node is uncordoned
     kubectl sdcguard release NODE [--reason TEXT]   # a Failed replacement gives its storm-guard
                                                     # slot back (spec.release; the node stays cordoned)
+    kubectl sdcguard replacements                   # the approval queue: each NodeReplacement with its
+                                                    # health check, decision and repeat offenders
     kubectl sdcguard incidents                      # every SDCIncident, newest last, with where to
                                                     # resume from and how many steps are at risk
-    kubectl sdcguard history                        # nodes / instances by number of incidents
+    kubectl sdcguard history [--window 30d]         # instances and GPUs by incidents: repeat offenders
+    kubectl sdcguard report INCIDENT [-n NS] [-o json]  # the incident as evidence (docs/operator.md)
 
 It sends no identity: who decided is what the API server authenticated, recorded by sdcguard's
 admission webhook in ``spec.decidedBy`` (deciding needs the RBAC verb ``approve``, ClusterRole
@@ -22,7 +25,6 @@ client nor torch (tests/test_contract.py), so ``pip install sdcguard`` is enough
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
 import json
 import os
@@ -33,7 +35,9 @@ from typing import Any
 
 from sdcguard.contract import names
 from sdcguard.contract.phases import Decision, ReplacementPhase
-from sdcguard.contract.text import strip_format_characters
+from sdcguard.contract.text import strip_format_characters, telemetry_line
+
+from . import history, report
 
 
 class PluginError(Exception):
@@ -155,7 +159,7 @@ def table(rows: list[list[str]]) -> str:
 
 
 INCIDENT_COLUMNS = ["NAMESPACE", "NAME", "JOB", "CHECK", "STEP", "SUSPECTS", "WINDOW", "RESUME-FROM", "SHA256",
-                    "AT-RISK", "DRILL", "PHASE", "AGE"]
+                    "AT-RISK", "DRILL", "REPEAT", "TELEMETRY", "PHASE", "AGE"]
 
 
 def incidents_table(now: datetime.datetime | None = None) -> str:
@@ -169,13 +173,25 @@ def incidents_table(now: datetime.datetime | None = None) -> str:
     rows = [INCIDENT_COLUMNS]
     for item in incidents():
         spec, status, meta = item.get("spec") or {}, item.get("status") or {}, item["metadata"]
-        suspects = ",".join(s.get("node") or "?" for s in spec.get("suspects") or []) or "-"
+        suspects = ",".join((s.get("node") or "?") + (f"/gpu{s['gpu']['index']}" if s.get("gpu") else "")
+                            + (f"({s['gpu']['uuid']})" if (s.get("gpu") or {}).get("uuid") else "")
+                            for s in spec.get("suspects") or []) or "-"
         rows.append([meta.get("namespace", ""), meta["name"], (spec.get("job") or {}).get("name", ""),
                      spec.get("check", ""), _text(spec.get("step")), suspects, _window(spec, status),
                      _resume(spec, status), _sha(spec, status), _text(status.get("stepsAtRisk")),
-                     "yes" if spec.get("drill") else "-", status.get("phase") or "-",
+                     "yes" if spec.get("drill") else "-", _repeat(status), telemetry_line(status.get("telemetry")),
+                     status.get("phase") or "-",
                      age(meta.get("creationTimestamp"), now)])
     return table(rows)
+
+
+def _repeat(status: dict[str, Any]) -> str:
+    """The REPEAT column: the hardware of this incident that other incidents named within the window
+    (``gpu:GPU-1234(2)``), ``-`` for none, ``?`` when not judged (an older operator)."""
+    offenders = status.get("repeatOffenders")
+    if offenders is None:
+        return "?"
+    return ",".join(f"{o.get('kind')}:{o.get('id')}({len(o.get('incidents') or [])})" for o in offenders) or "-"
 
 
 def _text(value: Any) -> str:
@@ -221,20 +237,86 @@ def age(stamp: str | None, now: datetime.datetime) -> str:
     return f"{seconds}s"
 
 
-def history_table() -> str:
-    """Repeat offenders: how many incidents named each node / instance."""
-    counts: collections.Counter[tuple[str, str]] = collections.Counter()
-    last: dict[tuple[str, str], str] = {}
-    for item in incidents():
-        nodes = (item.get("status") or {}).get("nodes") or {}
-        for suspect in (item.get("spec") or {}).get("suspects") or []:
-            node = suspect.get("node") or "?"
-            key = (node, (nodes.get(node) or {}).get("instanceId") or "-")
-            counts[key] += 1
-            last[key] = f"{item['metadata'].get('namespace')}/{item['metadata']['name']}"
-    rows = [["NODE", "INSTANCE", "INCIDENTS", "LAST-INCIDENT"]]
-    rows += [[node, instance, str(n), last[(node, instance)]] for (node, instance), n in counts.most_common()]
+HISTORY_COLUMNS = ["KIND", "ID", "NODE", "RECENT", "TOTAL", "JOBS", "REPEAT-OFFENDER", "LAST-ALARM", "INCIDENTS"]
+
+
+def hardware_record(namespace: str) -> tuple[dict[str, list[dict[str, Any]]], float | None, str]:
+    """The operator's hardware record (its ConfigMap in ``namespace``), its window, and where it came
+    from. Without the right to read it (or before the operator wrote one), the record the incidents
+    themselves hold, said on stderr: it lacks what was deleted."""
+    try:
+        body = json.loads(kubectl("get", "configmap", names.HARDWARE_HISTORY_CONFIGMAP, "-n", namespace, "-o", "json"))
+    except PluginError as exc:
+        print(clean(f"kubectl sdcguard: cannot read configmap {namespace}/{names.HARDWARE_HISTORY_CONFIGMAP} "
+                    f"({_one_line(exc)[:200]}); ranking the incidents that still exist instead (pass "
+                    "--operator-namespace if the operator runs elsewhere)"), file=sys.stderr)
+        return history.of_incidents(incidents()), None, "incidents"
+    window = ((body.get("metadata") or {}).get("annotations") or {}).get(history.WINDOW_ANNOTATION)
+    try:
+        seconds = float(window) if window else None
+    except ValueError:
+        seconds = None
+    return history.parse(body.get("data")), seconds, "record"
+
+
+def history_table(namespace: str = "sdcguard", window: float | None = None,
+                  now: datetime.datetime | None = None) -> str:
+    """Repeat offenders first: every instance and GPU that alarms named, by incidents within the
+    window (RECENT; the operator's window unless ``window`` is given), then in all (TOTAL), with
+    the incidents behind each."""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    record, operator_window, _ = hardware_record(namespace)
+    window = window or operator_window or DEFAULT_WINDOW
+    rows = [HISTORY_COLUMNS]
+    for r in history.ranking(record, window, now.timestamp()):
+        rows.append([r["kind"], r["id"], r["node"], str(r["recent"]), str(r["total"]), str(r["jobs"]),
+                     "yes" if r["repeat"] else "-", r["last"] or "-",
+                     ",".join(r["incidents"])])
     return table(rows)
+
+
+DEFAULT_WINDOW = 30 * 86400.0
+REPLACEMENT_COLUMNS = ["NAME", "NODE", "INSTANCE", "PHASE", "HEALTH-CHECK", "DECISION", "REPEAT", "INCIDENTS", "AGE"]
+
+
+def replacements_table(now: datetime.datetime | None = None) -> str:
+    """The approval queue: one row per NodeReplacement (phase and health check as the operator sealed
+    them), who decided, and the repeat offenders its incidents found on its node (REPEAT)."""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    by_ref = {f"{i['metadata'].get('namespace')}/{i['metadata']['name']}": i for i in incidents()}
+    rows = [REPLACEMENT_COLUMNS]
+    items = json.loads(kubectl("get", names.REPLACEMENTS, "-o", "json")).get("items") or []
+    for item in sorted(items, key=lambda i: i["metadata"].get("creationTimestamp") or ""):
+        spec, meta = item.get("spec") or {}, item["metadata"]
+        refs = [r for r in spec.get("incidents") or [] if isinstance(r, str)]
+        found = [o for r in refs for o in ((by_ref.get(r) or {}).get("status") or {}).get("repeatOffenders") or []
+                 if o.get("node") == spec.get("nodeName")]
+        decision = ((item.get("status") or {}).get("decision") or {}).get("decision") if sealed(item) else UNSEALED
+        rows.append([meta["name"], spec.get("nodeName") or "-", spec.get("instanceId") or "-",
+                     shown_phase(item) or "-", health_check(item), decision or "-",
+                     _repeat({"repeatOffenders": list({(o.get("kind"), o.get("id")): o for o in found}.values())}),
+                     ",".join(refs) or "-", age(meta.get("creationTimestamp"), now)])
+    return table(rows)
+
+
+def report_of(name: str, namespace: str | None) -> dict[str, Any]:
+    """The evidence report of incident ``name`` (in ``namespace``, else wherever it is unique)."""
+    if namespace:
+        body = json.loads(kubectl("get", names.INCIDENTS, name, "-n", namespace, "-o", "json"))
+    else:
+        found = [i for i in incidents() if i["metadata"]["name"] == name]
+        if len(found) != 1:
+            where = ", ".join(i["metadata"].get("namespace", "") for i in found)
+            raise PluginError(f"sdcincident {name}: {'not found' if not found else 'in several namespaces: ' + where}"
+                              f"{'' if not found else '; pass -n NAMESPACE'}")
+        body = found[0]
+    replacements = []
+    for replacement in (body.get("status") or {}).get("replacements") or {}:
+        try:
+            replacements.append(json.loads(kubectl("get", names.REPLACEMENTS, replacement, "-o", "json")))
+        except PluginError:
+            continue  # gone (or not readable): the report lists it as not found
+    return report.build(body, replacements, trusted=sealed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,7 +330,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("node")
     p.add_argument("--reason", default="", help="why (recorded in the status)")
     sub.add_parser("incidents", help="list SDCIncidents")
-    sub.add_parser("history", help="nodes and instances by number of incidents")
+    sub.add_parser("replacements", help="list NodeReplacements: the approval queue, with repeat offenders")
+    p = sub.add_parser("history", help="instances and GPUs by number of incidents (repeat offenders first)")
+    p.add_argument("--operator-namespace", default=os.environ.get("SDCGUARD_OPERATOR_NAMESPACE", "sdcguard"),
+                   help="where the operator keeps its hardware record (default: $SDCGUARD_OPERATOR_NAMESPACE "
+                   "or %(default)s)")
+    p.add_argument("--window", type=history.parse_duration, default=None,
+                   help="repeat-offender window, e.g. 30d (default: the operator's)")
+    p = sub.add_parser("report", help="an incident as evidence: signature, hardware, inventory, checkpoints, decisions")
+    p.add_argument("incident")
+    p.add_argument("-n", "--namespace", default=None)
+    p.add_argument("-o", "--output", choices=("text", "json"), default="text")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.command in ("approve", "deny"):
@@ -258,8 +350,13 @@ def main(argv: list[str] | None = None) -> int:
             print(clean(release(args.node, args.reason)))
         elif args.command == "incidents":
             print(incidents_table())
+        elif args.command == "replacements":
+            print(replacements_table())
+        elif args.command == "report":
+            built = report_of(args.incident, args.namespace)
+            print(clean(json.dumps(built, indent=2, sort_keys=True) if args.output == "json" else report.render(built)))
         else:
-            print(history_table())
+            print(history_table(args.operator_namespace, args.window))
     except PluginError as exc:
         print(clean(f"kubectl sdcguard: error: {exc}"), file=sys.stderr)
         return 1

@@ -9,7 +9,8 @@ while it leads, :mod:`.leader`).
 
 Every handler below is thin: it delegates in one line to a plain function of the module named for
 its job (:mod:`.intake`, :mod:`.incident`, :mod:`.replacement`, :mod:`.alarm_keys`,
-:mod:`.webhook`, :mod:`.admission`), with explicit arguments so that function is tested directly.
+:mod:`.webhook`, :mod:`.admission`, :mod:`.telemetry`), with explicit arguments so that function is
+tested directly.
 No other module of the package registers anything or reads a setting when it is imported.
 """
 from __future__ import annotations
@@ -25,7 +26,8 @@ import kopf
 
 from sdcguard.contract import names
 
-from . import admission, alarm_keys, incident, intake, kube, metrics, pod_mutation, replacement, validate, webhook
+from . import (admission, alarm_keys, incident, intake, kube, metrics, pod_mutation, replacement, resume_intake,
+               retention, telemetry, validate, webhook)
 from .settings import Settings
 from .webhook_server import server_from_env
 
@@ -161,8 +163,10 @@ def _register_handlers(registry: kopf.OperatorRegistry, settings: Settings) -> N
     @on.create("v1", "events", registry=registry, id="alarm_event", backoff=settings.retry_seconds,
                retries=settings.intake_retries)
     def alarm_event(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, retry: int = 0, **_: Any) -> None:
-        """The last try turns a still-failing Event into a counted rejection (never a silent drop)."""
-        patch.metadata.annotations[names.INTAKE_ANNOTATION] = intake.receive(
+        """The last try turns a still-failing Event into a counted rejection (never a silent drop).
+        A resumed run's Event (same reason, type Normal) goes to :mod:`.resume_intake`."""
+        receive = resume_intake.receive if resume_intake.is_resume(dict(body)) else intake.receive
+        patch.metadata.annotations[names.INTAKE_ANNOTATION] = receive(
             dict(body), settings, logger, final=retry >= settings.intake_retries - 1)
 
     def incident_contain(body: kopf.Body, **_: Any) -> None:
@@ -174,6 +178,27 @@ def _register_handlers(registry: kopf.OperatorRegistry, settings: Settings) -> N
     kopf.timer(names.GROUP, names.VERSION, names.INCIDENTS, registry=registry, id="incident_tick",
                interval=settings.storm_guard_recheck_seconds, initial_delay=settings.storm_guard_recheck_seconds,
                backoff=settings.retry_seconds, when=incident.needs_work)(incident_contain)
+    kopf.timer(names.GROUP, names.VERSION, names.INCIDENTS, registry=registry, id="incident_history",
+               interval=settings.storm_guard_recheck_seconds, initial_delay=settings.storm_guard_recheck_seconds,
+               backoff=settings.retry_seconds, when=incident.needs_history)(
+                   lambda body, **_: incident.judge(dict(body), settings))  # layer 7 retried on its own
+
+    if settings.incident_retention_seconds > 0:
+        @kopf.timer(names.GROUP, names.VERSION, names.INCIDENTS, registry=registry, id="incident_retention",
+                    interval=retention.check_interval(settings), backoff=settings.retry_seconds,
+                    when=lambda status, **_: retention.settled(status))
+        def incident_retention(body: kopf.Body, **_: Any) -> None:
+            """An incident with nothing in flight is deleted once past SDCGUARD_INCIDENT_RETENTION."""
+            retention.collect(dict(body), settings)
+
+    if settings.prometheus_url:
+        @kopf.timer(names.GROUP, names.VERSION, names.INCIDENTS, registry=registry, id="incident_telemetry",
+                    interval=settings.poll_seconds, backoff=settings.retry_seconds, when=telemetry.due)
+        async def incident_telemetry(body: kopf.Body, **_: Any) -> None:
+            """The suspect GPUs' DCGM telemetry, in its own handler once containment has acted and in
+            threads of its own (async: it holds none of the executor's): a slow or absent
+            Prometheus never delays intake or the cordon (docs/telemetry.md)."""
+            await telemetry.run(dict(body), settings)
 
     @kopf.timer(names.GROUP, names.VERSION, names.REPLACEMENTS, registry=registry, id="replacement_tick",
                 interval=settings.poll_seconds, backoff=settings.retry_seconds, when=replacement.is_open)

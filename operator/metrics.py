@@ -34,9 +34,34 @@ PENDING_APPROVAL = prom.Gauge(
     "timeline, so a restarted or new leader reports the same time); the series goes when it leaves",
     ["nodereplacement", "node"])
 REPLACEMENTS = prom.Counter("sdcguard_replacements_total", "NodeReplacement phase transitions, by phase", ["phase"])
+ROLLBACK_GPU_SECONDS = prom.Counter(
+    "sdcguard_rollback_gpu_seconds_total",
+    "GPU-seconds that resuming from each opened incident's last good checkpoint redoes (steps at risk x the "
+    "checked step time the library measured x the job's ranks; an alarm without these figures adds nothing), "
+    "by check", ["check"])
+FALSE_POSITIVES = prom.Counter(
+    "sdcguard_false_positive_investigations_total",
+    "Incidents whose every node replacement was denied after the node's deep health check passed")
+TELEMETRY = prom.Counter("sdcguard_incident_telemetry_total",
+                         "Incidents whose DCGM telemetry lookup finished, by verdict (Corroborates, Clean, NoData, "
+                         "Unavailable)", ["verdict"])
+TELEMETRY_CORROBORATED = prom.Gauge("sdcguard_incident_telemetry_corroborated",
+                                    "1 when the suspect GPU's DCGM telemetry corroborates the incident's alarm, 0 when "
+                                    "it does not (clean telemetry clears nothing); per incident (namespace/name)",
+                                    ["incident"])
 AWS_CALLS = prom.Counter("sdcguard_aws_calls_total", "SageMaker calls made, by operation", ["operation"])
 AWS_ERRORS = prom.Counter("sdcguard_aws_call_errors_total", "SageMaker call errors, by operation and code",
                           ["operation", "code"])
+
+
+def forget_incident(ref: str) -> None:
+    """Drop an incident's own series (``<namespace>/<name>``) once it is deleted: the gauge would
+    otherwise keep one per incident ever opened."""
+    try:
+        TELEMETRY_CORROBORATED.remove(ref)
+    except KeyError:
+        pass  # never had one
+
 
 _started = False
 

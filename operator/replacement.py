@@ -27,7 +27,7 @@ from sdcguard.contract import names
 from sdcguard.contract.phases import Decision
 from sdcguard.contract.phases import ReplacementPhase as Phase
 
-from . import approval, contain, hyperpod, kube, master_key, metrics
+from . import approval, contain, hyperpod, kube, master_key, metrics, node_condition
 from .localize import Location
 from .settings import Settings
 
@@ -193,6 +193,9 @@ def reconcile(body: dict[str, Any], settings: Settings) -> None:
     if decision == Decision.DENIED:
         _deny(body, status, settings)
         return
+    if status["phase"] in (Phase.HEALTH_CHECK, Phase.PENDING_APPROVAL):
+        _reannounce(body, status, settings)
+        status = _observe_hyperpod(body, status)
     if status["phase"] == Phase.HEALTH_CHECK:
         status = _health_check(body, status, settings)
     if status["phase"] == Phase.PENDING_APPROVAL:
@@ -290,9 +293,10 @@ def release(body: dict[str, Any], settings: Settings) -> None:
     node = (status.get("target") or {}).get("nodeName") or spec.get("nodeName")
     by = spec.get("releasedBy") or approval.UNATTRIBUTED
     reason = spec.get("releaseReason") or ""
-    contain.release(node, settings, keep_cordoned=True)
     message = f"{node}: storm-guard slot released by {by}" + (f": {reason}" if reason else "") + \
         "; the node stays cordoned until you uncordon it"
+    contain.release(node, settings, keep_cordoned=True, why=node_condition.RELEASED,
+                    text=f"{message} (NodeReplacement {name})")
     kube.record(names.REPLACEMENTS, None, name, "Released", message,
                 released={"by": by, "groups": list(spec.get("releasedByGroups") or []), "reason": reason,
                           "time": kube.now()})
@@ -345,13 +349,25 @@ def _deny(body: dict[str, Any], status: dict[str, Any], settings: Settings) -> N
             _note(body, "DenyTooLate", "BatchReplaceClusterNodes was already requested; the denial cannot undo it")
         return
     holder = contain.slot_holder(node, settings)
-    if holder is None or holder not in ((body.get("spec") or {}).get("incidents") or []):
+    incidents = list((body.get("spec") or {}).get("incidents") or [])
+    decided = status.get("decision") or {}
+    why = f"denied by {decided.get('by') or 'unknown'}" + (f": {decided['reason']}" if decided.get("reason") else "") \
+        + f" (NodeReplacement {body['metadata']['name']})"
+    if holder is None or holder not in incidents:
         # sdcguard did not cordon this node for any incident this replacement serves (an admin's
-        # cordon, or another incident's slot): the denial changes nothing on it.
+        # cordon, or another incident's slot): the denial changes nothing on it. Without any slot,
+        # a condition still True for one of its incidents is stale (given back by an earlier
+        # version that released before clearing, or by hand): it is cleared.
+        if holder is None:
+            try:
+                node_condition.clear(node, node_condition.DENIED, why, incidents=incidents)
+            except Exception as exc:  # noqa: BLE001 - retried: Denied is terminal, no later pass would
+                raise kopf.TemporaryError(f"node {node}: condition not cleared: {exc}",
+                                          delay=settings.retry_seconds) from None
         _phase(body, Phase.DENIED, "Denied", f"{node} left as it is: sdcguard holds no storm-guard slot for it on "
                f"behalf of this replacement's incidents (slot: {holder or 'none'})")
         return
-    released = contain.release(node, settings)
+    released = contain.release(node, settings, why=node_condition.DENIED, text=why)  # condition first, then the slot
     _phase(body, Phase.DENIED, "Denied",
            f"{node} uncordoned and unlabelled" if released else f"{node} no longer exists")
 
@@ -472,6 +488,49 @@ def _health_check(body: dict[str, Any], status: dict[str, Any], settings: Settin
     return _note(body, None, "", healthCheck={"polls": polls})
 
 
+def _reannounce(body: dict[str, Any], status: dict[str, Any], settings: Settings) -> None:
+    """The node condition, set again while the replacement waits if the cordon's write was lost
+    (that write is best effort, and the incident records the cordon whether or not it landed, so
+    no later cordon pass makes it): only for the incident of this replacement that holds the
+    node's slot, and never over a ``False`` cleared for that incident. One node read per pass; the
+    ledger is read only when the condition is not ``True``."""
+    node = status["target"]["nodeName"]
+    try:
+        found = kube.core().read_node(node)
+        if (node_condition.current(found) or {}).get("status") == "True":
+            return
+        holder = contain.slot_holder(node, settings)
+        if holder in ((body.get("spec") or {}).get("incidents") or []) and not node_condition.announced(found, holder):
+            contain.announce(node, holder, settings)
+    except Exception as exc:  # noqa: BLE001 - best effort, as the first write was
+        if not kube.not_found(exc):
+            node_condition.log.warning("node %s: condition not checked: %s", node, exc)
+
+
+def _observe_hyperpod(body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    """Record, once per change, whether HyperPod's own resiliency acts on the node (label
+    ``sagemaker.amazonaws.com/node-health-status`` ``UnschedulablePendingReplacement`` /
+    ``...PendingReboot``): the approver sees it, and :func:`_replace` asks for no second replacement."""
+    node = status["target"]["nodeName"]
+    try:
+        labels = kube.core().read_node(node).metadata.labels or {}
+    except Exception as exc:
+        if not kube.not_found(exc):
+            raise
+        labels = {}
+    mark, seen = hyperpod.pending_mark(labels), (status.get("hyperPod") or {}).get("nodeHealthStatus")
+    if mark == seen or (mark is None and seen not in names.HYPERPOD_PENDING_HEALTH):
+        return status
+    value = mark or labels.get(names.HYPERPOD_HEALTH_LABEL) or "unset"
+    if mark:
+        text = f"HyperPod marks {node} {mark}: sdcguard asks for no replacement of its own while HyperPod acts"
+    else:
+        text = f"HyperPod no longer marks {node} pending ({seen} over; {names.HYPERPOD_HEALTH_LABEL}={value})"
+    return _note(body, "HyperPodActing" if mark else "HyperPodDone", text,
+                 hyperPod={"nodeHealthStatus": value, "seenAt": kube.now()},
+                 conditions=[kube.condition("HyperPodActing", bool(mark), mark or "Done", text)])
+
+
 def _describe_status(status: dict[str, Any], settings: Settings) -> str:
     spec = status["target"]
     try:
@@ -492,12 +551,23 @@ def _replace(body: dict[str, Any], status: dict[str, Any], settings: Settings) -
     if replace.get("requestedAt"):
         return _phase(body, Phase.REPLACING, "ReplaceRequested", "resuming the follow-up")
     where = _attempt(status, "replace", settings)
+    mark = (status.get("hyperPod") or {}).get("nodeHealthStatus")
+    if where == "none" and mark == hyperpod.PENDING_REPLACEMENT:
+        return _phase(body, Phase.REPLACING, "HyperPodReplacing",
+                      f"HyperPod already marked {spec['nodeName']} {mark}: its own replacement is followed, "
+                      "BatchReplaceClusterNodes is not called",
+                      replace={"requestedAt": kube.now(), "byHyperPod": mark, "attemptedBy": None})
+    if where == "none" and mark == hyperpod.PENDING_REBOOT:
+        # A reboot does not take the suspect GPU out of the cluster: the approved replacement is
+        # asked for once HyperPod's reboot is over, never while it runs.
+        raise kopf.TemporaryError(f"HyperPod reboots {spec['nodeName']} ({mark}); replacing after it",
+                                  delay=settings.poll_seconds)
     if where == "in-flight":
         raise kopf.TemporaryError("BatchReplaceClusterNodes in flight", delay=settings.retry_seconds)
     if where == "unknown":
         if _describe_status(status, settings) in REPLACING_STATUSES:
-            return _phase(body, Phase.REPLACING, "ReplaceRequested", "the earlier attempt took effect",
-                          replace={"requestedAt": replace["attemptedAt"], "recovered": True, "attemptedBy": None})
+            return _replacing(body, status, "ReplaceRequested", "the earlier attempt took effect",
+                              replace={"requestedAt": replace["attemptedAt"], "recovered": True, "attemptedBy": None})
         if _gave_up(body, status, "replace", "BatchReplaceClusterNodes", settings):
             return {**status, "phase": Phase.FAILED}
     _claim_attempt(body, "replace", replace)  # intent, before the call
@@ -508,9 +578,8 @@ def _replace(body: dict[str, Any], status: dict[str, Any], settings: Settings) -
     except hyperpod.AwsError as exc:
         ok, code, message = False, exc.code, exc.message
     if ok:
-        return _phase(body, Phase.REPLACING, "ReplaceRequested",
-                      f"BatchReplaceClusterNodes accepted {spec['instanceId']}",
-                      replace={"requestedAt": kube.now(), "attemptedBy": None})
+        return _replacing(body, status, "ReplaceRequested", f"BatchReplaceClusterNodes accepted {spec['instanceId']}",
+                          replace={"requestedAt": kube.now(), "attemptedBy": None})
     if code in hyperpod.TRANSIENT_CODES:
         _transient(body, status, "replace", hyperpod.Unavailable("BatchReplaceClusterNodes", code, message), settings)
     if code in WAIT_CODES:
@@ -524,11 +593,23 @@ def _replace(body: dict[str, Any], status: dict[str, Any], settings: Settings) -
                   conditions=[kube.condition("Failed", True, code, message)])
 
 
+def _replacing(body: dict[str, Any], status: dict[str, Any], event: str, message: str, **fields: Any) -> dict[str, Any]:
+    """Record that BatchReplaceClusterNodes took effect: the move to Replacing, or, for a replacement
+    already Replacing (HyperPod's hand-off given back, :func:`_hyperpod_handoff`), the outcome alone."""
+    if status.get("phase") != Phase.REPLACING:
+        return _phase(body, Phase.REPLACING, event, message, **fields)
+    return _outcome(body, "replace", event, message, **fields)
+
+
 def _follow(body: dict[str, Any], status: dict[str, Any], settings: Settings) -> None:
     spec = status["target"]
+    if not (status.get("replace") or {}).get("requestedAt"):
+        _replace(body, status, settings)  # handed back by HyperPod: asked for until it takes effect
+        return
     state = _describe_status(status, settings)
     if state == "NotFound":
-        contain.release(spec["nodeName"], settings, keep_cordoned=True)
+        contain.release(spec["nodeName"], settings, keep_cordoned=True, why=node_condition.REPLACED,
+                        text=f"instance {spec['instanceId']} replaced (NodeReplacement {body['metadata']['name']})")
         _phase(body, Phase.REPLACED, "Replaced",
                f"instance {spec['instanceId']} terminated and replaced by fresh hardware",
                replace={"completedAt": kube.now()},
@@ -536,3 +617,31 @@ def _follow(body: dict[str, Any], status: dict[str, Any], settings: Settings) ->
     elif state == "Failure":
         _phase(body, Phase.FAILED, "ReplaceFailed", "the instance went to Failure during replacement",
                conditions=[kube.condition("Failed", True, "InstanceFailure", "instance status Failure")])
+    elif state == "Running" and (status.get("replace") or {}).get("byHyperPod"):
+        _hyperpod_handoff(body, status, settings)
+
+
+def _hyperpod_handoff(body: dict[str, Any], status: dict[str, Any], settings: Settings) -> None:
+    """A replacement left to HyperPod (``replace.byHyperPod``) whose instance still runs: while
+    HyperPod's mark is on the node it is waited for; once the mark is gone and the instance runs,
+    HyperPod did not replace it (its own check cleared the node, or it gave up) and nothing else
+    would: the approval stands, so BatchReplaceClusterNodes is asked for as for any approved
+    replacement (an instance HyperPod is still busy with answers InstanceIdInUse or
+    InvalidInstanceStatus, which is waited for)."""
+    node = status["target"]["nodeName"]
+    try:
+        labels = kube.core().read_node(node).metadata.labels or {}
+    except Exception as exc:
+        if kube.not_found(exc):
+            return  # the node left the cluster: HyperPod is replacing it (DescribeClusterNode follows it)
+        raise
+    if hyperpod.pending_mark(labels):
+        return
+    value = labels.get(names.HYPERPOD_HEALTH_LABEL) or "unset"
+    text = (f"HyperPod no longer marks {node} pending ({names.HYPERPOD_HEALTH_LABEL}={value}) and instance "
+            f"{status['target']['instanceId']} still runs: HyperPod did not replace it; asking for the approved "
+            "replacement with BatchReplaceClusterNodes")
+    status = _note(body, "HyperPodDone", text, replace={"requestedAt": None, "byHyperPod": None},
+                   hyperPod={"nodeHealthStatus": value, "seenAt": kube.now()},
+                   conditions=[kube.condition("HyperPodActing", False, "Done", text)])
+    _replace(body, status, settings)

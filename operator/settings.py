@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 
 from sdcguard.contract import names
@@ -38,6 +39,9 @@ class Settings:
     alarm cannot take another team's node out of service."""
     suspend_jobs: bool = True
     """SDCGUARD_SUSPEND_JOBS: set spec.runPolicy.suspend on the PyTorchJob of an incident."""
+    nvsentinel_external_fault: bool = False
+    """SDCGUARD_NVSENTINEL_EXTERNAL_FAULT: on cordon, also create an NVIDIA NVSentinel
+    ``ExternalFault`` naming the suspect GPUs (operator/nvsentinel.py; needs NVSentinel's CRD)."""
     deep_health_checks: tuple[str, ...] = DEEP_HEALTH_CHECKS
     """SDCGUARD_DEEP_HEALTH_CHECKS: comma-separated subset of InstanceStress,InstanceConnectivity;
     empty = no health check (the replacement waits for approval straight away)."""
@@ -109,6 +113,36 @@ class Settings:
     max_incidents_per_job: int = 50
     """SDCGUARD_MAX_INCIDENTS_PER_JOB: SDCIncidents one job instance (uid) may have; a new fault past
     it is rejected ``TooManyIncidents`` (its duplicates still join). 0 = no limit."""
+    prometheus_url: str | None = None
+    """SDCGUARD_PROMETHEUS_URL: the Prometheus API root holding the GPUs' DCGM metrics (an Amazon
+    Managed Prometheus workspace: ``https://aps-workspaces.<region>.amazonaws.com/workspaces/<id>``);
+    each incident's suspect GPUs are looked up there (docs/telemetry.md). Empty: no lookup."""
+    prometheus_token: str | None = dataclasses.field(default=None, repr=False)
+    """SDCGUARD_PROMETHEUS_TOKEN: a bearer token for a Prometheus that wants one (not for a workspace)."""
+    prometheus_sigv4: str = "auto"
+    """SDCGUARD_PROMETHEUS_SIGV4: auto (sign with SigV4, service ``aps``, when the URL is a workspace's),
+    true (always: a VPC endpoint or proxy under another name), false (never)."""
+    telemetry_lookback_seconds: float = 3600.0
+    """SDCGUARD_TELEMETRY_LOOKBACK_SECONDS: how far before the alarm the DCGM query starts (the alarm
+    carries the suspect window's steps, not their times: this stands for the window and its margin)."""
+    telemetry_margin_seconds: float = 120.0
+    """SDCGUARD_TELEMETRY_MARGIN_SECONDS: how far after the alarm it ends (scrape and remote-write delay)."""
+    telemetry_timeout_seconds: float = 10.0
+    """SDCGUARD_TELEMETRY_TIMEOUT_SECONDS: one Prometheus request's time limit."""
+    telemetry_attempts: int = 5
+    """SDCGUARD_TELEMETRY_ATTEMPTS: failed lookups of one incident before it says "telemetry unavailable"
+    for good (one every SDCGUARD_POLL_SECONDS)."""
+    telemetry_node_labels: tuple[str, ...] = ("Hostname", "node")
+    """SDCGUARD_TELEMETRY_NODE_LABELS: comma-separated labels that may carry the node's name on DCGM
+    series (dcgm-exporter's ``Hostname``; ``node`` where a scrape config adds the Kubernetes node)."""
+    incident_retention_seconds: float = 90 * 86400.0
+    """SDCGUARD_INCIDENT_RETENTION (chart ``incidents.retention``, e.g. ``90d``): how long an
+    SDCIncident with nothing in flight (Contained, Resolved, or not the operator's) is kept after its
+    last change; the operator then deletes it. Incidents are not owned by their job: they outlive it
+    as evidence. 0 keeps them forever."""
+    repeat_offender_window_seconds: float = 30 * 86400.0
+    """SDCGUARD_REPEAT_OFFENDER_WINDOW (chart ``repeatOffender.window``, e.g. ``30d``): an instance
+    or GPU with alarms in more than one incident within this period is a repeat offender."""
     intake_retries: int = 20
     """How often kopf tries an alarm Event whose handling fails transiently; the last failure is a
     rejection (``IntakeError``), counted and alerted, never a silent drop."""
@@ -133,6 +167,7 @@ class Settings:
             max_suspect_nodes_per_namespace=_int(env, "SDCGUARD_MAX_SUSPECT_NODES_PER_NAMESPACE", cluster_limit),
             allow_shared_nodes=_bool(env, "SDCGUARD_ALLOW_SHARED_NODES", False),
             suspend_jobs=_bool(env, "SDCGUARD_SUSPEND_JOBS", True),
+            nvsentinel_external_fault=_bool(env, names.ENV_NVSENTINEL_EXTERNAL_FAULT, False),
             deep_health_checks=checks,
             poll_seconds=_float(env, "SDCGUARD_POLL_SECONDS", 30.0),
             retry_seconds=_float(env, "SDCGUARD_RETRY_SECONDS", 5.0),
@@ -158,9 +193,22 @@ class Settings:
             alarm_rate_per_minute=_float(env, "SDCGUARD_ALARM_RATE_PER_MINUTE", 120.0),
             alarm_burst=_int(env, "SDCGUARD_ALARM_BURST", 300),
             max_incidents_per_job=_int(env, "SDCGUARD_MAX_INCIDENTS_PER_JOB", 50),
+            prometheus_url=env.get("SDCGUARD_PROMETHEUS_URL") or None,
+            prometheus_token=env.get("SDCGUARD_PROMETHEUS_TOKEN") or None,
+            prometheus_sigv4=(env.get("SDCGUARD_PROMETHEUS_SIGV4") or "auto").lower(),
+            telemetry_lookback_seconds=_float(env, "SDCGUARD_TELEMETRY_LOOKBACK_SECONDS", 3600.0),
+            telemetry_margin_seconds=_float(env, "SDCGUARD_TELEMETRY_MARGIN_SECONDS", 120.0),
+            telemetry_timeout_seconds=_float(env, "SDCGUARD_TELEMETRY_TIMEOUT_SECONDS", 10.0),
+            telemetry_attempts=_int(env, "SDCGUARD_TELEMETRY_ATTEMPTS", 5),
+            telemetry_node_labels=_csv(env.get("SDCGUARD_TELEMETRY_NODE_LABELS", "Hostname,node")),
+            incident_retention_seconds=_duration(env, "SDCGUARD_INCIDENT_RETENTION", 90 * 86400.0),
+            repeat_offender_window_seconds=_duration(env, "SDCGUARD_REPEAT_OFFENDER_WINDOW", 30 * 86400.0),
             pod_name=env.get(names.ENV_POD_NAME) or None,
             pod_namespace=env.get(names.ENV_POD_NAMESPACE) or None,
         )
+        if settings.incident_retention_seconds < 0 or settings.repeat_offender_window_seconds <= 0:
+            raise ValueError("SDCGUARD_INCIDENT_RETENTION must be >= 0 (0: keep forever) and "
+                             "SDCGUARD_REPEAT_OFFENDER_WINDOW > 0")
         for name, value in (("SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES", settings.max_concurrent_suspect_nodes),
                             ("SDCGUARD_MAX_SUSPECT_NODES_PER_JOB", settings.max_suspect_nodes_per_job),
                             ("SDCGUARD_MAX_SUSPECT_NODES_PER_NAMESPACE", settings.max_suspect_nodes_per_namespace)):
@@ -173,6 +221,20 @@ class Settings:
             raise ValueError("SDCGUARD_MAX_ALARM_AGE_SECONDS must be > 0 and SDCGUARD_CLOCK_SKEW_SECONDS >= 0")
         if settings.poll_seconds <= 0 or settings.retry_seconds <= 0:
             raise ValueError("SDCGUARD_POLL_SECONDS and SDCGUARD_RETRY_SECONDS must be > 0")
+        if settings.prometheus_url and not settings.prometheus_url.startswith(("http://", "https://")):
+            raise ValueError("SDCGUARD_PROMETHEUS_URL must be an http:// or https:// URL, "
+                             f"got {settings.prometheus_url!r}")
+        if settings.prometheus_sigv4 not in ("auto", "true", "false"):
+            raise ValueError("SDCGUARD_PROMETHEUS_SIGV4 must be auto, true or false, "
+                             f"got {settings.prometheus_sigv4!r}")
+        if settings.telemetry_lookback_seconds <= 0 or settings.telemetry_margin_seconds < 0 \
+                or settings.telemetry_timeout_seconds <= 0 or settings.telemetry_attempts < 1:
+            raise ValueError("SDCGUARD_TELEMETRY_LOOKBACK_SECONDS and SDCGUARD_TELEMETRY_TIMEOUT_SECONDS must be > 0, "
+                             "SDCGUARD_TELEMETRY_MARGIN_SECONDS >= 0, SDCGUARD_TELEMETRY_ATTEMPTS >= 1")
+        if settings.prometheus_url and not settings.telemetry_node_labels or not all(
+                re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", label) for label in settings.telemetry_node_labels):
+            raise ValueError("SDCGUARD_TELEMETRY_NODE_LABELS must name at least one label, each a Prometheus "
+                             f"label name, got {settings.telemetry_node_labels!r}")
         if not 0 < settings.renew_seconds < settings.lease_seconds:
             raise ValueError("SDCGUARD_RENEW_SECONDS must be > 0 and shorter than SDCGUARD_LEASE_SECONDS")
         return settings
@@ -203,6 +265,18 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
         return float(env.get(name, default))
     except ValueError:
         raise ValueError(f"{name} must be a number, got {env.get(name)!r}") from None
+
+
+def _duration(env: Mapping[str, str], name: str, default: float) -> float:
+    """``30d``, ``12h``, ``90m``, ``45s`` or plain seconds."""
+    from .history import parse_duration
+    value = env.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return parse_duration(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a duration such as 30d, 12h, 90m or 45s, got {value!r}") from None
 
 
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:

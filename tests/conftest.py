@@ -187,9 +187,9 @@ def make_world(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def world(tmp_path_factory: pytest.TempPathFactory):
     """The shared world (see the module's docstring): NodeReplacement writes pass the operator's
-    admission webhook, and up to 50 suspect nodes are held at once."""
+    admission webhook, and up to 500 suspect nodes are held at once (a held node is never given back by many tests)."""
     shared = OperatorWorld(tmp_path_factory.mktemp("shared-world"), admission=True,
-                           SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES="50")
+                           SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES="500")
     shared.start_operator()
     yield shared
     _close([shared])

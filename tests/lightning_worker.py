@@ -6,6 +6,7 @@ tests/test_integration_lightning_fsdp.py).
 EXAMPLE is the folder under examples/ (default ``lightning``; ``lightning_fsdp``).
 
 PLAN is a list of ``{"script": "train.py" | "train_plain.py", "flags": [...]}``, optionally with
+``"env": {NAME: VALUE}`` (set for that run only) and
 ``"resume_as_alarmed": OUT`` (resume as the alarm of an earlier run in OUT says: its
 last_good_checkpoint, step and sha256); its alarms and statistics go to the spool ``OUT/spool``
 (``--out``'s value). Each runs in this
@@ -44,12 +45,16 @@ def main() -> None:
         script = os.path.join(example, run["script"])
         flags = run["flags"]
         os.environ["SDCGUARD_SPOOL"] = os.path.join(flags[flags.index("--out") + 1], "spool")
+        extra = run.get("env", {})  # this run's own variables (SDCGUARD_RANKS_PER_NODE ...), gone after it
+        os.environ.update(extra)
         sys.argv = [script, *flags, *resume_flags(run.get("resume_as_alarmed"))]
         try:
             runpy.run_path(script, run_name="__main__")
             outcomes.append(None)
         except Exception as exc:  # noqa: BLE001 - the run's own outcome, recorded by its harness
             outcomes.append(type(exc).__name__)
+        for name in extra:
+            os.environ.pop(name, None)
         if dist.is_initialized():
             dist.barrier()
     if dist.is_initialized():

@@ -112,6 +112,24 @@ def test_identities_carry_a_typed_pod_uid_and_gpu():
             alarm.validate(broken)
 
 
+def test_gpu_uuid_as_nvidia_smi_prints_it_and_older_records_without_gpus_still_parse():
+    uuid = "GPU-8b2c1a7e-3f4d-4e5a-9b6c-0d1e2f3a4b5c"
+    identities = {r: {**who, "gpu": {"index": r, "uuid": uuid if r == 2 else None}} for r, who in IDENTITIES.items()}
+    record = alarm.loads(alarm.dumps(_record(identities=identities)))
+    assert record["suspects"][0]["gpu"] == {"index": 2, "uuid": uuid}
+    assert alarm.Alarm.parse(record).suspects[0].gpu == alarm.Gpu(index=2, uuid=uuid)
+    assert alarm.gpu_text(record["suspects"][0]["gpu"]) == f"GPU 2 ({uuid})"
+    assert alarm.gpu_text({"index": 1, "uuid": None}) == "GPU 1" and alarm.gpu_text(None) == ""
+    old = alarm.loads(alarm.dumps(_record()))  # a record of a library from before the GPU field
+    assert "gpu" not in old["suspects"][0] and alarm.Alarm.parse(old).suspects[0].gpu is None
+    for bad in ("8b2c1a7e-3f4d-4e5a-9b6c-0d1e2f3a4b5c",  # torch's own str(): no GPU- prefix
+                "GPU-8B2C1A7E-3F4D-4E5A-9B6C-0D1E2F3A4B5C", "GPU-0; rm -rf /", 3):
+        broken = json.loads(alarm.dumps(record))
+        broken["suspects"][0]["gpu"]["uuid"] = bad
+        with pytest.raises(alarm.AlarmError, match=re.escape("suspects[].gpu")):
+            alarm.validate(broken)
+
+
 def test_loads_rejects_garbage():
     with pytest.raises(alarm.AlarmError, match="not valid JSON"):
         alarm.loads("{half a record")

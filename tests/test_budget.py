@@ -112,18 +112,27 @@ def test_it_starts_at_audit_every_within_the_cap():
     assert stats.as_dict()["audit_schedule"]["interval"] == 10
 
 
+def step(b, audit, weights=False):
+    """One step as the Guard measures it: the meter's sample, then the budget's decision."""
+    b.meter.begin(audit)
+    b.meter.ended(weights)
+    b.ended(0)
+
+
 def test_decisions_come_only_after_audit_steps_and_say_why():
     b, stats = budget(audit_every=10)
-    for step in range(1, 10):  # ordinary steps: measured, never decided
-        b.begin(audit=False)
+    for _ in range(1, 10):  # ordinary steps: measured, never decided
+        b.meter.begin(audit=False)
         stats.timed("nonfinite", stats_clock(stats, 0.0))
-        b.ended(step)
+        b.meter.ended()
+        b.ended(_)
     assert b.decisions == 0 and b.interval == 10
-    b._ordinary.clear()
-    b._ordinary.extend([Sample(0.001, 0.101)] * 20)
-    b._audits.extend([Sample(0.101, 0.201)] * AUDIT_WINDOW)
-    b.interrupted()  # this audit step itself gives no sample: the figures above decide
-    b.begin(audit=True)
+    b.meter.ordinary.clear()
+    b.meter.ordinary.extend([Sample(0.001, 0.101)] * 20)
+    b.meter.audits.extend([Sample(0.101, 0.201)] * AUDIT_WINDOW)
+    b.meter.interrupted()  # this audit step itself gives no sample: the figures above decide
+    b.meter.begin(audit=True)
+    b.meter.ended()
     b.ended(10)
     assert b.decisions == 1 and b.decided_at == 10 and b.interval == 50
     schedule = stats.as_dict()["audit_schedule"]
@@ -134,22 +143,26 @@ def test_decisions_come_only_after_audit_steps_and_say_why():
 
 def test_without_a_measurement_the_interval_stays():
     b, _ = budget(audit_every=10)
-    b.begin(audit=True)
-    b.ended(0)  # the first step a Guard sees gives no sample
+    step(b, audit=True)  # the first step a Guard sees gives no sample
     assert b.decisions == 1 and b.interval == 10 and b.wanted is None
 
 
 def test_a_failed_step_gives_no_sample():
     b, _ = budget(audit_every=10)
-    b.begin(audit=False)
-    b.ended(1)
-    b.begin(audit=False)
-    b.ended(2)
-    assert len(b._ordinary) == 1
-    b.interrupted()
-    b.begin(audit=False)
-    b.ended(4)  # spans the failed step 3: not a sample
-    assert len(b._ordinary) == 1
+    step(b, audit=False)
+    step(b, audit=False)
+    assert len(b.meter.ordinary) == 1
+    b.meter.interrupted()
+    step(b, audit=False)  # spans the failed step 3: not a sample
+    assert len(b.meter.ordinary) == 1 and b.meter.steps["ordinary"] == 3 and b.meter.sampled["ordinary"] == 1
+
+
+def test_the_decision_counts_in_the_audit_step_that_made_it():
+    b, _ = budget(audit_every=10)
+    step(b, audit=False)
+    step(b, audit=True)
+    [audit] = b.meter.audits
+    assert b.decisions == 1 and b.meter.own["audit"] == pytest.approx(audit.checks) and audit.checks > 0
 
 
 def stats_clock(stats, seconds):

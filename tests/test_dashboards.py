@@ -201,6 +201,11 @@ def test_every_dashboard_query_names_only_exported_metrics_and_their_labels(dash
             "sdcguard_sidecar_alarms_published_total", "sdcguard_incidents_total", "sdcguard_suspect_nodes",
             "sdcguard_replacements_total", "sdcguard_sidecar_spool_backlog", "sdcguard_aws_call_errors_total",
             "sdcguard_alarms_rejected_total", "sdcguard_storm_guard_holds_total"} <= used
+    # The cost of a checked run (issue 34): the measured premium by kind, step times, the audit
+    # interval, the rollback waste and the false-positive investigations.
+    assert {"sdcguard_check_premium_ratio", "sdcguard_check_premium_seconds", "sdcguard_step_time_seconds",
+            "sdcguard_checked_step_seconds", "sdcguard_audit_interval", "sdcguard_rollback_gpu_seconds_total",
+            "sdcguard_false_positive_investigations_total"} <= used
     # The one metric left off: a Unix time where 0 means "never" makes a misleading panel.
     unused = set(exported) - used - {"sdcguard_sidecar_last_publish_timestamp_seconds"}
     assert not unused, f"exported but on no panel: {sorted(unused)}"
@@ -227,6 +232,28 @@ def test_dashboard_counts_include_the_first_increment_of_a_new_series(dashboard:
                          {"series": 'sdcguard_replacements_total{phase="Replaced"}', "values": "_x15 1x5 2x30"}],
         "promql_expr_test": [{"expr": expr, "eval_time": "40m", "exp_samples": [
             {"labels": '{phase="HealthCheck"}', "value": 2}, {"labels": '{phase="Replaced"}', "value": 2}]}]}]}
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump(tests))
+    done = subprocess.run([PROMTOOL, "test", "rules", str(tmp_path / "test.yaml")], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_cost_of_checking_adds_the_premium_and_the_rollbacks_in_gpu_hours(dashboard: dict[str, Any],
+                                                                              tmp_path: Path) -> None:
+    """Two ranks' premium (gauges, seconds so far) plus an incident's rollback counted in the range
+    (a counter born in it counts from 0), in GPU-hours; and with no incident the premium alone (promtool)."""
+    [query] = [t["expr"] for p in dashboard["panels"] if p["title"] == "Cost of checking, GPU-hours"
+               for t in p["targets"]]
+    expr = as_promql(query).replace("6h", "30m")
+    (tmp_path / "empty-rules.yaml").write_text("groups: []\n")
+    premium = [{"series": f'sdcguard_check_premium_seconds{{namespace="ml",pod="w-{r}",rank="{r}",kind="audit"}}',
+                "values": "0+45x40"} for r in (0, 1)]  # 45 s a minute each: 1800 s each at 40m
+    waste = [{"series": 'sdcguard_rollback_gpu_seconds_total{check="replay"}', "values": "_x20 9000x20"}]
+    tests = {"rule_files": ["empty-rules.yaml"], "evaluation_interval": "1m", "tests": [
+        {"interval": "1m", "input_series": premium + waste,
+         "promql_expr_test": [{"expr": expr, "eval_time": "40m", "exp_samples": [{"labels": "{}", "value": 3.5}]}]},
+        {"interval": "1m", "input_series": premium,
+         "promql_expr_test": [{"expr": expr, "eval_time": "40m", "exp_samples": [{"labels": "{}", "value": 1.0}]}]}]}
     (tmp_path / "test.yaml").write_text(yaml.safe_dump(tests))
     done = subprocess.run([PROMTOOL, "test", "rules", str(tmp_path / "test.yaml")], capture_output=True, text=True,
                           timeout=60)

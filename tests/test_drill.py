@@ -79,7 +79,8 @@ def test_each_fault_is_caught_by_its_check_naming_its_rank_and_node(many_faults)
             assert alarm["suspect_ranks"] == [] and alarm["suspects"] == []
         else:
             assert alarm["suspect_ranks"] == [rank]
-            assert alarm["suspects"] == [{"rank": rank, "pod": None, "node": f"drill-node-{rank // 2}"}]
+            assert alarm["suspects"] == [{"rank": rank, "pod": None, "node": f"drill-node-{rank // 2}",
+                                          "gpu": {"index": rank % 2, "uuid": None}}]  # on CPU: the local slot
             assert alarm["reporter"]["rank"] != rank  # a suspect never reports on itself
         assert alarm["job"] is None  # outside Kubernetes
 
@@ -178,7 +179,7 @@ def test_replay_catches_finite_corruption_and_names_the_culprit(replay_faults):
     got = [(a["check"], a["step"], a["suspect_ranks"], a["ambiguous"]) for a in alarms]
     assert got == [("replay", 4, [3], False), ("replay", 8, [0], False),
                    ("replay", 12, [2], False), ("replay", 16, [5], False)]
-    assert alarms[0]["suspects"] == [{"rank": 3, "pod": None, "node": "drill-node-1"}]
+    assert alarms[0]["suspects"] == [{"rank": 3, "pod": None, "node": "drill-node-1", "gpu": {"index": 1, "uuid": None}}]
 
 
 def test_without_checkpoints_the_drill_resumes_from_the_newest_verified_copy_before_the_window(replay_faults):

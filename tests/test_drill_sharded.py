@@ -169,7 +169,8 @@ def test_pure_fsdp_faults_are_caught_and_a_weight_fault_escapes_saying_why(fsdp_
                                       3: ("nonfinite-reduced", [], False)}
     assert "one replica (pure FSDP)" in report["injected"][0]["why"]
     assert {"kind": "weight-bitflip", "step": 0, "ranks": [2]} in report["fired"]  # it struck, unseen
-    assert report["alarms"][0]["suspects"] == [{"rank": 3, "pod": None, "node": "drill-node-3"}]
+    assert report["alarms"][0]["suspects"] == [{"rank": 3, "pod": None, "node": "drill-node-3",
+                                                "gpu": {"index": 0, "uuid": None}}]
     assert report["alarms"][1]["evidence"]["coordinates"]["0"] == {"replica": 0, "shard": 0, "shard_group": [0, 1, 2, 3]}
 
 

@@ -5,6 +5,8 @@ One torchrun launch runs several of the example's scripts in turn (tests/lightni
   quick (slow)  pure FSDP over 4 ranks (Lightning's data_parallel mesh): train.py clean (2 epochs =
       6 steps of 2 micro-batches, clipping, a step LR schedule, audits at 0 and 4), train_plain.py
       (ModelParallelStrategy) the same, train.py with a flipped gradient bit on rank 2 at the audit of step 4.
+  tp (slow)  tensor_parallel_size=2 (Lightning's ("data_parallel", "tensor_parallel") mesh, HSDP 2 x 1 x
+      TP 2): clean and plain bit for bit, a flipped gradient bit and a scaled activation named.
   hsdp (slow)  HSDP 2 x 2 (configure_model builds the (replicate, shard) mesh): clean and plain
       (3 epochs, audits at 0/3/6), a flipped gradient bit on rank 1 at step 6 and the resume the alarm
       names, a weight bit flipped on rank 3; pure FSDP: a NaN in rank 1's forward, a scaled reduced shard.
@@ -35,6 +37,8 @@ def run_plan(tmp: Path, plan: list[tuple[str, dict]]) -> dict[str, dict]:
     entries = []
     for name, spec in plan:
         entry = {"script": spec["script"], "flags": ["--out", str(tmp / name), *spec["flags"]]}
+        if "env" in spec:
+            entry["env"] = spec["env"]
         if "resume_as" in spec:
             entry["resume_as_alarmed"] = str(tmp / spec["resume_as"])
         entries.append(entry)
@@ -87,10 +91,9 @@ def _the_alarm(run: dict) -> dict:
 
 # -- quick: make test --------------------------------------------------------------------------
 
-def test_tensor_parallelism_and_fsdp1_are_refused():
+def test_fsdp1_and_unsaved_distributed_checkpoints_are_refused_and_tensor_parallelism_is_not():
     from sdcguard.integrations.lightning import GuardedFSDPStrategy, GuardedModelParallelStrategy
-    with pytest.raises(ConfigurationError, match="tensor_parallel_size=2"):
-        GuardedModelParallelStrategy(tensor_parallel_size=2)
+    assert GuardedModelParallelStrategy(tensor_parallel_size=2)._tensor_parallel_size == 2
     with pytest.raises(ConfigurationError, match="save_distributed_checkpoint=False"):
         GuardedModelParallelStrategy(save_distributed_checkpoint=False)
     with pytest.raises(ConfigurationError, match="FSDP1"):
@@ -169,3 +172,49 @@ def test_hsdp_alarm_names_a_kept_checkpoint_and_the_resume_ends_bitwise_on_the_c
 def test_other_fault_kinds_are_caught_by_their_check(hsdp, run, expected):
     alarm = _the_alarm(hsdp[run])
     assert (alarm["check"], alarm["step"], alarm["suspect_ranks"], alarm["ambiguous"]) == expected
+
+
+# -- tensor_parallel_size=2: HSDP 2 x 1 x TP 2 --------------------------------------------------------
+
+# Lightning's gradient clipping cannot run here, with or without sdcguard: torch's clip_grad_norm_
+# stacks the norms of parameters on two meshes (the TP layers' and the others') and DTensor refuses
+# ("All operands in aten.stack.default must have the same mesh"). One machine poses as 2 nodes of
+# 2 ranks, so that the replay ring (rank r replays rank r + 2) carries TP group [0, 1] onto [2, 3].
+TP = ["--epochs", "2", "--audit-every", "2", "--weight-check-every", "1", "--accumulate", "2", "--clip", "0",
+      "--replicate", "2", "--tp", "2"]
+TWO_NODES = {"SDCGUARD_RANKS_PER_NODE": "2"}
+
+
+@pytest.fixture(scope="module")
+def tp(tmp_path_factory):
+    return run_plan(tmp_path_factory.mktemp("lightning-tp"), [
+        ("clean", {"script": "train.py", "flags": TP, "env": TWO_NODES}),
+        ("plain", {"script": "train_plain.py", "flags": TP}),
+        ("bitflip", {"script": "train.py", "flags": [*TP, "--inject", "grad-bitflip:rank=1:step=2"], "env": TWO_NODES}),
+        ("forward", {"script": "train.py", "flags": [*TP, "--inject", "forward-scale:rank=2:step=4"], "env": TWO_NODES}),
+    ])
+
+
+@pytest.mark.slow
+def test_a_tp_run_is_bitwise_the_plain_model_parallel_tp_run(tp):
+    clean, plain = tp["clean"], tp["plain"]
+    for g, p in zip(clean["results"], plain["results"]):
+        assert (g["alarms"], g["errors"], g["final_step"]) == ([], [], 12)
+        assert g["losses"] == p["losses"] and g["shards"] == p["shards"]
+    assert clean["results"][0]["shards"] != clean["results"][1]["shards"]  # TP shards 0 and 1
+    assert clean["results"][0]["shards"] == clean["results"][2]["shards"]  # replicas of TP shard 0
+    plan = "\n".join(clean["results"][0]["plan"])
+    assert "HSDP 2 replicas x 1 shard" in plan and "each x tensor parallel over 2 ranks" in plan
+    for s in clean["stats"]:
+        assert s["checks"]["replay"]["runs"] == 6 and s["checks"]["weights"]["runs"] >= 11
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run, expected, owners", [
+    ("bitflip", ("replay", 2, [1, 3], True), [1]),            # rank 1's own gradient: its pair alone differs
+    ("forward", ("replay", 4, [0, 1, 2, 3], True), [2, 3]),   # rank 2's forward reaches its TP group [2, 3]
+])
+def test_tp_faults_name_the_rank_or_its_tp_group(tp, run, expected, owners):
+    alarm = _the_alarm(tp[run])
+    assert (alarm["check"], alarm["step"], alarm["suspect_ranks"], alarm["ambiguous"]) == expected
+    assert [p["owner"] for p in alarm["evidence"]["pairs"]] == owners  # 2 replicas: owner or replayer, ambiguous

@@ -17,7 +17,13 @@ torchtitan's clipping, AdamW and LR schedule.
   - bfloat16 parameters (training.mixed_precision_param, torchtitan's default; slow): bit-identical to
     torchtitan with every check run, and the compute and reduction faults caught as in float32;
   - compile.enable (slow): unaudited compiled steps bit-identical to torchtitan's, an audited one
-    (eager) catching a flipped gradient bit.
+    (eager) catching a flipped gradient bit;
+  - tensor_parallel_degree=2 (slow; 4 ranks posing as 2 nodes of one TP group each): DP 2 x TP 2
+    bit-identical to torchtitan's TP run with every check, its checkpoints verified offline and a
+    resume bit-identical to torchtitan's; pure FSDP 2 x TP 2 bit-identical; a fault of every kind
+    caught naming the rank or its TP group (ambiguous with 2 replicas; exact with DP 3 x TP 2);
+  - context, expert and pipeline parallelism and spmd_backend="full_dtensor" refused before
+    torchtitan builds anything, naming the setting (in this process).
 """
 import dataclasses
 import json
@@ -346,3 +352,173 @@ def test_faults_on_a_replicate_only_mesh_are_caught_naming_the_rank(replicate_on
         assert [(a["check"], a["step"], a["suspect_ranks"]) for a in r["alarms"]] == expected
         assert [e["step"] for e in r["errors"]] == [1, 2]
     assert sorted((a["check"], a["step"], a["suspect_ranks"]) for a in run["alarms"]) == sorted(expected)
+
+
+# -- tensor parallelism: DP 2 x TP 2 (tensor_parallel_degree=2) ------------------------------------
+
+# torchtitan's mesh (dp_replicate, fsdp, tp) = (2, 1, 2), TP the fastest dimension: TP groups [0, 1]
+# and [2, 3]. One machine poses as 2 nodes of 2 ranks (SDCGUARD_RANKS_PER_NODE, as the operator's
+# webhook sets it on a real node): the replay ring (rank r replays rank r + 2) then carries each TP
+# group onto the other, rank for rank, as the layout requires.
+TP = ["--replicate", "2", "--shard", "1", "--tp", "2", "--accum", "2", "--ranks-per-node", "2"]
+TP_FAULTS = ["forward-nan:rank=2:step=1", "grad-inf:rank=1:step=2", "forward-scale:rank=3:step=3",
+             "grad-bitflip:rank=1:step=4", "reduce-nan:step=5", "reduce-scale:step=6:magnitude=1000",
+             "weight-bitflip:rank=1:step=7"]
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory):
+    """Guarded and plain TP runs side by side (checkpoints every 2 steps), and a guarded one with a
+    fault of every kind (one per step, audited every step)."""
+    root = tmp_path_factory.mktemp("titan-tp")
+    clean = [*TP, "--steps", "4", "--audit-every", "2", "--weight-check-every", "1", "--checkpoint-every", "2"]
+    faults = [*TP, "--steps", "7", "--audit-every", "1", "--weight-check-every", "1", "--keep-going"]
+    for spec in TP_FAULTS:
+        faults += ["--inject", spec]
+    procs = {"guarded": _start("train.py", root / "guarded", 4, *clean),
+             "plain": _start("train_plain.py", root / "plain", 4, *clean),
+             "faults": _start("train.py", root / "faults", 4, *faults)}
+    runs = {name: _finish(root / name, proc, 4) for name, proc in procs.items()}
+    runs["root"] = root
+    return runs
+
+
+@pytest.mark.slow  # three 4-rank jobs side by side
+def test_a_tp_run_is_bit_identical_to_torchtitans_tp_run_with_every_check(tp_runs):
+    guarded, plain = tp_runs["guarded"]["results"], tp_runs["plain"]["results"]
+    assert len(guarded) == len(plain) == 4
+    for g, p in zip(guarded, plain):
+        assert (g["error"], g["alarms"], g["step"]) == (None, [], 4)
+        assert (g["weights_digest"], g["losses"]) == (p["weights_digest"], p["losses"])
+        assert (g["last_audited"], g["last_weights_verified"], g["last_reduction_verified"]) == (4, 4, 4)
+    digests = [g["weights_digest"] for g in guarded]  # rank (i, k): TP shard k of replica i
+    assert digests[0] == digests[2] and digests[1] == digests[3] and digests[0] != digests[1]
+    plan = "\n".join(guarded[0]["plan"])
+    assert "HSDP 2 replicas x 1 shard" in plan and "each x tensor parallel over 2 ranks" in plan
+    assert "each tensor-parallel group (2 ranks) lies within one node" in plan
+    for check in ("nonfinite-local", "replay", "weights", "reduce-checksum (all-reduce)"):
+        assert f"runs {check}:" in plan
+    assert tp_runs["guarded"]["alarms"] == []
+
+
+@pytest.mark.slow
+def test_tp_checkpoints_list_every_tp_position_and_verify_offline(tp_runs):
+    folder = tp_runs["root"] / "guarded" / "checkpoint" / "step-4"
+    manifest = json.loads((folder / "sdcguard-manifest.json").read_text())
+    assert manifest["mesh"]["tp"] == 2 and manifest["mesh"]["columns"] == [[[0], [2]], [[1], [3]]]
+    assert [(s["tp"], s["shard"], s["ranks"]) for s in manifest["shards"]] == [(0, 0, [0, 2]), (1, 0, [1, 3])]
+    out = subprocess.run([sys.executable, "-m", "sdcguard.cli", "verify-checkpoint", str(folder), "--step", "4"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("OK"), out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_tp_faults_are_caught_naming_the_rank_or_its_tp_group(tp_runs):
+    """Two replicas: a replay mismatch cannot tell the owner from its replayer, so both are named
+    (ambiguous); a forward fault reaches its whole TP group (the activation collectives), so the
+    group is named — as owners of the differing replays, or as the non-finite ranks."""
+    run = tp_runs["faults"]
+    expected = [("nonfinite-local", 1, [2, 3], False), ("nonfinite-local", 2, [1], False),
+                ("replay", 3, [0, 1, 2, 3], True), ("replay", 4, [1, 3], True),
+                ("nonfinite-reduced", 5, [], False), ("reduce-checksum", 6, [], False), ("weights", 7, [1, 3], True)]
+    for r in run["results"]:
+        assert [(a["check"], a["step"], a["suspect_ranks"], a["ambiguous"]) for a in r["alarms"]] == expected
+        assert [e["step"] for e in r["errors"]] == [1, 2, 3, 4, 5, 6, 7]
+    alarms = {a["step"]: a for a in run["results"][0]["alarms"]}
+    assert alarms[1]["evidence"]["non_finite_ranks"] == [2, 3]  # rank 2's NaN reached its TP peer
+    assert [(p["owner"], p["replayer"]) for p in alarms[3]["evidence"]["pairs"]] == [(2, 0), (3, 1)]
+    assert alarms[3]["evidence"]["coordinates"]["3"]["tp_group"] == [2, 3]
+    assert [(p["owner"], p["replayer"]) for p in alarms[4]["evidence"]["pairs"]] == [(1, 3)]  # its own gradient only
+    assert alarms[7]["evidence"]["coordinates"]["1"]["tp"] == 1  # check 3 compares each (TP, FSDP) position
+    fired = {(f["kind"], f["step"]) for r in run["results"] for f in r["fired"]}
+    assert {(s.split(":")[0], int(s.split("step=")[1].split(":")[0])) for s in TP_FAULTS} <= fired
+    assert sorted((a["check"], a["step"]) for a in run["alarms"]) == sorted((e[0], e[1]) for e in expected)
+
+
+@pytest.fixture(scope="module")
+def tp_more(tp_runs, tmp_path_factory):
+    """From the TP runs' step-4 checkpoints, guarded and plain resumed to step 6; and pure FSDP x TP
+    (data_parallel_shard_degree=2, tensor_parallel_degree=2: FSDP2's 1-D ``fsdp`` mesh), guarded and plain."""
+    import shutil
+    root = tmp_path_factory.mktemp("titan-tp-more")
+    for name in ("guarded", "plain"):
+        shutil.copytree(tp_runs["root"] / name / "checkpoint", root / name / "checkpoint")
+    resume = [*TP, "--steps", "6", "--audit-every", "2", "--weight-check-every", "1", "--checkpoint-every", "2"]
+    fsdp = ["--replicate", "1", "--shard", "2", "--tp", "2", "--accum", "2", "--ranks-per-node", "2", "--steps", "3",
+            "--audit-every", "1"]
+    procs = {"guarded": _start("train.py", root / "guarded", 4, *resume),
+             "plain": _start("train_plain.py", root / "plain", 4, *resume),
+             "fsdp": _start("train.py", root / "fsdp", 4, *fsdp),
+             "fsdp-plain": _start("train_plain.py", root / "fsdp-plain", 4, *fsdp)}
+    return {name: _finish(root / name, proc, 4) for name, proc in procs.items()}
+
+
+@pytest.mark.slow
+def test_a_tp_resume_is_verified_and_stays_bit_identical_to_torchtitans(tp_more):
+    for g, p in zip(tp_more["guarded"]["results"], tp_more["plain"]["results"]):
+        assert (g["error"], g["alarms"], g["step"], sorted(g["losses"])) == (None, [], 6, ["5", "6"])
+        assert (g["weights_digest"], g["losses"]) == (p["weights_digest"], p["losses"])
+
+
+@pytest.mark.slow
+def test_pure_fsdp_x_tp_is_checked_and_bit_identical_to_torchtitan(tp_more):
+    for g, p in zip(tp_more["fsdp"]["results"], tp_more["fsdp-plain"]["results"]):
+        assert (g["error"], g["alarms"], g["step"], g["last_audited"]) == (None, [], 3, 3)
+        assert (g["weights_digest"], g["losses"]) == (p["weights_digest"], p["losses"])
+    plan = "\n".join(tp_more["fsdp"]["results"][0]["plan"])
+    assert "FSDP over 2 ranks (one replica), each x tensor parallel over 2 ranks" in plan
+
+
+@pytest.mark.slow  # a 6-rank job
+def test_with_three_replicas_tp_faults_name_exactly_the_rank_or_the_tp_group(tmp_path):
+    """DP 3 x TP 2 on 3 "nodes" of 2: a third replica settles every mismatch, so a gradient or weight
+    fault names its rank alone and a forward fault its TP group alone, none ambiguous."""
+    flags = ["--replicate", "3", "--shard", "1", "--tp", "2", "--accum", "2", "--ranks-per-node", "2",
+             "--steps", "7", "--audit-every", "1", "--weight-check-every", "1", "--keep-going"]
+    for spec in TP_FAULTS:
+        flags += ["--inject", spec]
+    run = _finish(tmp_path, _start("train.py", tmp_path, 6, *flags), 6)
+    expected = [("nonfinite-local", 1, [2, 3], False), ("nonfinite-local", 2, [1], False), ("replay", 3, [2, 3], False),
+                ("replay", 4, [1], False), ("nonfinite-reduced", 5, [], False), ("reduce-checksum", 6, [], False),
+                ("weights", 7, [1], False)]
+    assert len(run["results"]) == 6
+    for r in run["results"]:
+        assert [(a["check"], a["step"], a["suspect_ranks"], a["ambiguous"]) for a in r["alarms"]] == expected
+
+
+# -- what is refused, at start-up (no process launched) --------------------------------------------
+
+def test_refusals_name_the_setting_and_tensor_parallelism_is_not_among_them():
+    from sdcguard.integrations.torchtitan import refusals
+    ok = dict(pp=1, cp=1, ep=1, dp_replicate=2, dp_shard=1, model_parts=1)
+    assert refusals(**ok) == []  # tensor_parallel_degree is not an argument: TP is checked
+    assert "parallelism.context_parallel_degree=2: context parallelism is not checked" in \
+        refusals(**{**ok, "cp": 2})[0]
+    assert "parallelism.expert_parallel_degree=4: expert parallelism is not checked" in refusals(**{**ok, "ep": 4})[0]
+    assert refusals(**{**ok, "pp": 2})[0].startswith("parallelism.pipeline_parallel_degree=2")
+    assert "data parallel degree 1" in refusals(**{**ok, "dp_replicate": 1})[0]
+    assert refusals(**ok, spmd_backend="full_dtensor")[0].startswith('parallelism.spmd_backend="full_dtensor"')
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("context_parallel_degree", "parallelism.context_parallel_degree=2: context parallelism is not checked"),
+    ("expert_parallel_degree", "parallelism.expert_parallel_degree=2: expert parallelism is not checked"),
+    ("pipeline_parallel_degree", "parallelism.pipeline_parallel_degree=2"),
+])
+def test_a_guarded_trainer_refuses_context_expert_and_pipeline_parallelism_before_building(monkeypatch, setting,
+                                                                                           message):
+    """torchtitan's own ParallelDims resolves the degrees; the refusal comes before torchtitan
+    builds anything (no process group, no model: it runs in this process)."""
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from sdcguard.errors import ConfigurationError
+    from sdcguard.integrations.torchtitan import GuardedTrainer, guarded
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    config = guarded(llama3_debugmodel())
+    config.parallelism = ParallelismConfig(data_parallel_replicate_degree=2, tensor_parallel_degree=2,
+                                           **{setting: 2})
+    with pytest.raises(ConfigurationError, match="sdcguard cannot check this torchtitan job") as info:
+        GuardedTrainer(config)
+    assert message in str(info.value)

@@ -144,3 +144,86 @@ def test_the_checksum_is_one_weighted_sum_of_the_bucket():
         # pairwise: each element rounded at most 4 times in float32 (exactly 0 in float64, up to 1e-12)
         rounding = 4.01 * 2.0 ** -24 * float(torch.dot(per_element, g.double().abs())) if dtype != torch.float64 else 1e-12
         assert float(weights.checksum(0, g)) == pytest.approx(exact, abs=rounding)
+
+
+# -- the fused formula (the Triton kernel's: one read for the fold, the norm and DDP's scaling) --
+
+def test_terms_with_a_scale_are_the_terms_then_the_bucket_scaled():
+    """The comm hook's one call: on the torch path the same bits as the terms, then ``mul_``."""
+    weights = ChecksumWeights(seed=4)
+    weights.begin_step(2)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        g = torch.randn(4099, generator=torch.Generator().manual_seed(2)).to(dtype)
+        scaled = g.clone()
+        assert torch.equal(weights.terms(0, scaled, scale=1 / 3), weights.terms(0, g))
+        assert torch.equal(scaled, g.clone().mul_(1 / 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_the_fused_formula_stays_within_the_roundings_check_4_assumes(dtype):
+    """``fused_terms`` (what the kernel computes bit for bit): its checksum within the fold's
+    rounding of the exact weighted sum, its squared norm within ``norm_roundoff`` below the exact
+    one (the bound's rigour rests on that), and its scaling that of ``mul_``."""
+    from sdcguard.checks.norms import norm_roundoff
+    weights = ChecksumWeights(seed=6)
+    for n in (5, 16, 17, 1000, 4099, 16 * 70_001 + 9):
+        weights.begin_step(n)
+        gen = torch.Generator().manual_seed(n)
+        g = (torch.randn(n, generator=gen, dtype=torch.float64) * 10.0 ** torch.randint(-3, 4, (n,), generator=gen))
+        g = g.to(dtype)
+        exact_c = float(weights.checksum(0, g.double()))  # float64 throughout: exact to ~1e-16
+        abs_c = float(weights.checksum(0, g.double().abs()))
+        exact_sq = float(torch.dot(g.double(), g.double()))
+        scaled = g.clone()
+        c, sq = weights.fused_terms(0, scaled, scale=0.25).tolist()
+        assert abs(c - exact_c) <= 4.01 * 2.0 ** -24 * abs_c
+        assert (1 - norm_roundoff(n, dtype)) * exact_sq <= sq <= (1 + 6 * 2.0 ** -24) * exact_sq
+        assert torch.equal(scaled, g.clone().mul_(0.25))
+
+
+@pytest.mark.parametrize("kind", ["dynamic-range", "cancellation", "zeros", "subnormal"])
+def test_honest_reductions_stay_within_the_bound_with_the_fused_terms(kind):
+    """The same honest reductions as above, each rank's local terms from the fused formula."""
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(len(kind))
+        weights = ChecksumWeights(seed=8)
+        world = 3
+        for trial, n in enumerate([16, 1000, 20000]):
+            grads = adversarial(kind, world, n, dtype, gen)
+            weights.begin_step(trial)
+            reduced = honest_mean(grads, dtype, torch.randperm(world, generator=gen).tolist())
+            red = weights.checksum(0, reduced)
+            votes = [rank_vote([weights.fused_terms(0, g.clone())], [red], [(n, dtype)], world) for g in grads]
+            x, y = sum(float(v[0]) for v in votes), sum(float(v[1]) for v in votes)
+            shape = Shape(world=world, buckets=1, elements=n, dtypes=(dtype,))
+            assert judge_checksum(x, y, shape) is None, (kind, dtype, n, x, y)
+            bad = reduced.clone()
+            bad[n // 2] += 4 * rounding_bound(y, shape) + abs(float(bad[n // 2])) * 0.01
+            x_bad = x + (float(red) - float(weights.checksum(0, bad))) / 1  # the reduced checksum moves
+            if math.isfinite(x_bad) and float(bad[n // 2]) != float(reduced[n // 2]):
+                assert judge_checksum(x_bad, y, shape) is not None
+
+
+@pytest.mark.slow
+def test_the_fused_kernel_is_its_torch_formula_bit_for_bit_in_the_interpreter():
+    """The Triton kernel (agent/fingerprint/triton_checksum_kernel.py) in Triton's CPU interpreter
+    against ``fused_fold`` / ``fused_terms``: fold, squares' fold, the scaled bucket and the terms
+    through ``ChecksumWeights.terms``, every dtype, ragged sizes, extremes; the self-test passes.
+    A GPU runs the same cases compiled (bench/gpu_check.sh)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONSAFEPATH="1")
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("checksum_triton_worker.py"))], env=env,
+                         capture_output=True, text=True, timeout=600)
+    lines = run.stdout.splitlines()
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert len(lines) > 30 and all(line.startswith("ok ") for line in lines), run.stdout
+
+
+def test_the_fused_path_is_never_taken_where_the_kernel_cannot_run():
+    from sdcguard.fingerprint import triton_checksum
+    assert not triton_checksum.available(torch.zeros(64))  # CPU without the interpreter
+    assert not triton_checksum.available(torch.zeros(64, dtype=torch.float64))

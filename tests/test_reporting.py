@@ -26,7 +26,9 @@ def test_a_drill_record_says_so_and_carries_the_identities_it_was_given(tmp_path
         guard.reporter.raise_alarm(3, Verdict("weights", suspects=[0]), guard.history)
     record = err.value.alarm
     assert record["drill"] is True and record["job"]["uid"] == "u-1"
-    assert record["suspects"] == [{"rank": 0, "pod": "llm-worker-0", "node": "n1", "pod_uid": "p-1"}]
+    [suspect] = record["suspects"]  # and its GPU where known (docs/design.md §10)
+    assert {k: v for k, v in suspect.items() if k != "gpu"} == {"rank": 0, "pod": "llm-worker-0", "node": "n1",
+                                                                 "pod_uid": "p-1"}
     assert [p.name for p in spool.list_alarms(tmp_path)] and guard.alarms_raised == 1
 
 
@@ -75,3 +77,22 @@ def test_an_unconfirmed_alarm_is_raised_after_the_bound(tmp_path):
     # outside a Kubernetes job (no sidecar) nothing waits
     _, _, local = make(spool=str(tmp_path))
     assert local.config.publish_wait() == 0.0
+
+
+def test_an_alarm_carries_the_measured_step_time_and_the_ranks_for_its_rollback_cost(tmp_path):
+    from sdcguard.checks.verdict import Verdict
+    from sdcguard.contract.alarm import Alarm
+
+    _, _, guard = make(spool=str(tmp_path), publish_wait_seconds=0)
+    with pytest.raises(sdcguard.SDCDetected) as err:  # nothing measured yet: no step time, never a guess
+        guard.reporter.raise_alarm(0, Verdict("weights", suspects=[0]), guard.history)
+    assert "step_seconds" not in err.value.alarm and err.value.alarm["world_size"] == 1
+    _, _, guard = make(spool=str(tmp_path), publish_wait_seconds=0)
+    for step in range(4):
+        guard.train_step(step, torch.randn(8, 4))
+    cost = guard.stats.cost()
+    with pytest.raises(sdcguard.SDCDetected) as err:
+        guard.reporter.raise_alarm(4, Verdict("weights", suspects=[0]), guard.history)
+    typed = Alarm.parse(err.value.alarm)
+    assert typed.world_size == 1 and typed.step_seconds == pytest.approx(cost["checked_step_s"], rel=0.5)
+    assert 0 < cost["step_time_s"] <= typed.step_seconds and typed.steps_at_risk == 5

@@ -64,7 +64,8 @@ def _admit(vap: dict[str, Any], request: dict[str, Any], obj: dict[str, Any] | N
     spec = vap["spec"]
     rules = spec["matchConstraints"]["resourceRules"]
     resource = request["resource"]
-    if not any(resource["group"] in r["apiGroups"] and resource["resource"] in r["resources"]
+    plural = resource["resource"] + (f"/{request['subResource']}" if request.get("subResource") else "")
+    if not any(resource["group"] in r["apiGroups"] and plural in r["resources"]
                and request["operation"] in r["operations"] for r in rules):
         return ["(not matched)"]
     env = celpy.Environment()

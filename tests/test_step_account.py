@@ -1,5 +1,6 @@
 """The ordinary step's cost, counted (SPEC §10): a change that adds a host synchronisation or a
-collective to sdcguard's ordinary step fails here, for DDP and for HSDP. One short run of
+collective to sdcguard's ordinary step fails here, for DDP and for HSDP — and with the device gate
+(``Config(device_gate=True)``, fused AdamW), any host synchronisation at all. One short run of
 bench/step_account.py's counting per layout (2 gloo ranks, or a 2 x 2 HSDP mesh; TinyGPT; 2 counted
 ordinary steps against the same loop without sdcguard);
 the full account, with audit and weight-check steps and HSDP, is ``bench/step_account.py``."""
@@ -32,3 +33,18 @@ def test_ordinary_step_adds_one_host_sync_and_one_16_byte_collective(layout: str
         # could not count.
         assert added["collectives"][0] >= 1 and plain_syncs > 0 and added["ops"][1] > added["ops"][0]
         assert not [k for k in added["added_ops"] if k.startswith("uncounted")]
+
+
+@pytest.mark.multiprocess
+def test_the_device_gate_adds_no_host_sync_to_an_ordinary_ddp_step() -> None:
+    import step_account
+
+    results = step_account.account("ddp", ranks=2, steps=2, kinds=("ordinary",), timeout=300, device_gate=True)
+    for result in results:
+        added = step_account.added(result, "ordinary")
+        assert added["syncs"] == (0, 0), (
+            f"rank {result['rank']}: host reads plain -> sdcguard {added['syncs']} ({added['added_syncs']}; "
+            f"sdcguard's: {added['sync_sites']})")
+        assert added["added_collectives"] == {"allreduce_ 16 B": 1}, added["coll_sites"]
+        # The previous step's verdict was read, from host memory, once per step: the counting saw it.
+        assert added["deferred_reads"] == (0, 1)

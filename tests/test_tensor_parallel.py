@@ -22,7 +22,7 @@ from sdcguard.drill.model import tp_local_shape
 from sdcguard.faults.judge import Schedule, expected_suspects, judge_faults
 from sdcguard.faults.spec import parse_fault
 from sdcguard.fingerprint import Fingerprint
-from sdcguard.layouts.tensor_parallel import ring_refusal, tp_plan
+from sdcguard.layouts.tensor_parallel import ring_refusal, tp_plan, tp_ring
 from sdcguard.sharding.dcp_manifest import build, judge_shard, position
 from sdcguard.sharding.layout import columns_layout
 from sdcguard.sharding.reduction_check import localize_checksum
@@ -63,6 +63,18 @@ def test_the_ring_must_carry_each_tp_group_onto_another():
     strided = [[[6 * k + 2 * i + j for j in range(2)] for i in range(3)] for k in range(2)]
     refusal = ring_refusal(columns_layout(strided, rank=0), topology(12, 2))
     assert refusal is not None and "TP the fastest mesh dimension" in refusal
+
+
+def test_on_one_node_a_rank_replays_the_same_tp_rank_of_the_next_group():
+    mesh = columns_layout(COLUMNS, rank=0)
+    one_node = topology(12, 12)  # the default ring reaches the next GPU: its own TP group
+    assert "does not carry" in ring_refusal(mesh, one_node)
+    ring = tp_ring(mesh, one_node)
+    assert [ring.replay_target(r) for r in (0, 1, 10, 11)] == [2, 3, 0, 1]
+    assert ring_refusal(mesh, ring) is None and ring.units == 6  # six TP groups in the ring
+    assert tp_ring(mesh, topology(12, 2)) == topology(12, 2)  # across nodes: the default ring
+    two_groups = tp_ring(columns_layout([[[0]], [[1]]], rank=0), topology(2 * 2, 4))
+    assert two_groups.units == 2  # rank r and r + 2 replay each other: ambiguous, never certain
 
 
 def test_the_plan_says_where_tp_groups_lie_and_what_is_named():

@@ -8,7 +8,11 @@ told apart, so what checks 1a, 2 and 4 need is recorded here, per bucket, on the
   - on audit steps, each parameter's local-gradient fingerprint (check 2 compares them with a
     replay on another node);
 and on the way out, the reduced gradient's checksum alone (check 4, and check 1b: it is finite
-exactly when the reduced bucket is). Three reads of a bucket per step in all.
+exactly when the reduced bucket is). With a comm hook DDP leaves the 1/W scaling of the bucket
+to the hook (its reducer does it while it copies the gradients in only without one): one more
+read. So the torch path reads a bucket four times per step (fold, norm, scaling, reduced fold);
+where the fused Triton kernel runs (``fingerprint.triton_checksum``, CUDA) the first three are
+one pass, and a gradient byte is read twice in all.
 
 The reduction itself is delegated to an inner hook (plain all-reduce by default), so sdcguard
 composes with compression hooks and the drill can put a fault inside the all-reduce.
@@ -126,9 +130,8 @@ def record_then_reduce(
     record the reduced gradient's checksum."""
     index = bucket.index()
     buffer = bucket.buffer()
-    state.local[index] = state.weights.terms(index, buffer)
     state.shapes[index] = (buffer.numel(), buffer.dtype)
-    if state.audit:
+    if state.audit:  # first: the gradients as the backward made them
         state.record_fingerprints(bucket)
 
     if state.inner_hook is allreduce_mean:  # the common case: one callback, not two
@@ -137,7 +140,11 @@ def record_then_reduce(
             state.reduced[index] = state.weights.checksum(index, reduced)
             return reduced
 
-        return _launch_mean(state.inner_state, buffer).then(record_mean)
+        # The local terms and DDP's 1/W scaling in one call (one pass where the fused kernel runs).
+        state.local[index] = state.weights.terms(index, buffer, scale=1.0 / _size(state.inner_state))
+        return _start_sum(state.inner_state, buffer).then(record_mean)
+
+    state.local[index] = state.weights.terms(index, buffer)
 
     def record_reduced(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         reduced = fut.value()
@@ -160,10 +167,19 @@ allreduce_mean.averages_like_ddp = True  # type: ignore[attr-defined]  # check 4
 
 
 def _launch_mean(process_group: dist.ProcessGroup | None, buffer: torch.Tensor) -> torch.futures.Future[list[torch.Tensor]]:
-    """Scale by 1/W in place and start the sum, straight on the process group (this runs once
+    """Scale by 1/W in place and start the sum."""
+    buffer.mul_(1.0 / _size(process_group))
+    return _start_sum(process_group, buffer)
+
+
+def _size(process_group: dist.ProcessGroup | None) -> int:
+    return (process_group if process_group is not None else dist.group.WORLD).size()
+
+
+def _start_sum(process_group: dist.ProcessGroup | None, buffer: torch.Tensor) -> torch.futures.Future[list[torch.Tensor]]:
+    """Start the sum of an already scaled bucket, straight on the process group (this runs once
     per bucket and step: the Python wrappers of ``dist.all_reduce`` are measurable there)."""
     group = process_group if process_group is not None else dist.group.WORLD
-    buffer.mul_(1.0 / group.size())
     work = group.allreduce([buffer])
     hold(work)  # the op is never destroyed on gloo's worker thread (see exchange.hold)
     return work.get_future()

@@ -3,6 +3,15 @@
 Deterministic kernels cost speed, so they are enabled for an audited step's original pass and its
 replays, and restored to the user's setting afterwards. What cannot be switched per step — equal
 CPU thread counts, cuBLAS workspace configuration — is checked once at start-up.
+
+torch's deterministic mode also fills every new uninitialized tensor (``torch.empty`` and every
+kernel output allocated that way) with NaN by default (``torch.utils.deterministic.
+fill_uninitialized_memory``): a debugging aid that makes a kernel reading memory it never wrote
+give the same wrong answer twice. It selects no kernel and changes no written bit, so it is off
+inside the block: on TinyGPT it was ~3% of every forward + backward of an audit step, the
+original's and the replay's (bench/phases.py). A kernel that read uninitialized memory would make
+the two passes differ — an alarm, never a missed fault — and would feed garbage to the user's own
+steps as well, where the filling is off.
 """
 from __future__ import annotations
 
@@ -11,6 +20,7 @@ import os
 from typing import Iterator
 
 import torch
+import torch.utils.deterministic as _fill
 
 from ..errors import ConfigurationError
 from .topology import Topology
@@ -43,10 +53,13 @@ def deterministic(enabled: bool) -> Iterator[None]:
     was = torch.are_deterministic_algorithms_enabled()
     was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
     cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    fill = _fill.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    _fill.fill_uninitialized_memory = False  # see the module docstring
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(was, warn_only=was_warn)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
+        _fill.fill_uninitialized_memory = fill

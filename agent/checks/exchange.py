@@ -139,10 +139,11 @@ def ring_post(blob: torch.Tensor | None, note: bytes, send_to: int | None, recv_
     TRAFFIC["batches"] += 8 + blob.numel() if sending else 0
     TRAFFIC["digests"] += DIGEST_BYTES if sending else 0
     _wait(_post(head_out if sending else None, send_to, head_in if receiving else None, recv_from, group))
-    buffer = torch.empty(int(head_in[0]), dtype=torch.uint8, device=device) if receiving else None
+    size, *note_words = head_in.tolist()  # one read to the host for the size and the note
+    buffer = torch.empty(size, dtype=torch.uint8, device=device) if receiving else None
     outgoing = blob.to(device) if sending else None
     works = _post(outgoing, send_to, buffer, recv_from, group)
-    return Incoming(_words_to_bytes(head_in[1:]), buffer, works, device, outgoing)
+    return Incoming(_ints_to_bytes(note_words), buffer, works, device, outgoing)
 
 
 def ring_exchange(payload: Any, send_to: int | None, recv_from: int | None, device: torch.device,
@@ -179,7 +180,11 @@ def _digest_to_words(digest: bytes) -> list[int]:
 
 
 def _words_to_bytes(words: torch.Tensor) -> bytes:
-    return b"".join(int(w).to_bytes(8, "little", signed=True) for w in words.tolist())
+    return _ints_to_bytes(words.tolist())
+
+
+def _ints_to_bytes(words: list[int]) -> bytes:
+    return b"".join(int(w).to_bytes(8, "little", signed=True) for w in words)
 
 
 def _post(send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None, src: int | None,
@@ -222,7 +227,8 @@ def _from_bytes(blob: torch.Tensor, device: torch.device) -> Any:
     def remap(storage: Any, location: str) -> Any:
         return storage.to(device) if location.startswith("cuda") and device.type == "cuda" else storage
     try:
-        return torch.load(io.BytesIO(blob.cpu().numpy().tobytes()), map_location=remap, weights_only=True)
+        host = blob if blob.device.type == "cpu" else blob.cpu()
+        return torch.load(io.BytesIO(host.numpy().tobytes()), map_location=remap, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - the unpickler raises many kinds
         raise WireError("a replayed batch must be tensors, numbers, strings and lists / tuples / dicts of them "
                         f"(it is loaded with weights_only=True): {exc}") from None

@@ -39,7 +39,8 @@ same on every rank, so every rank reaches the same verdict. ``Y`` is finite exac
 local gradient is, and ``X`` when every reduced one is too (a NaN or Inf reaches the checksum of
 the bucket that holds it): check 1 needs nothing else.
 
-**Cost.** Per bucket and step: the local gradient read twice (its fold and its squared norm), the
+**Cost.** Per bucket and step: the local gradient read twice (its fold and its squared norm; once
+on CUDA, where the fused Triton kernel folds its squares in the same pass: ``fused_fold``), the
 reduced one once (its fold), in a handful of tensor operations; per step, one stack of the
 buckets' terms and a dot with coefficients computed once per bucket layout.
 
@@ -56,6 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from ..contract.alarm import CHECK_REDUCE_CHECKSUM
+from ..fingerprint import triton_checksum
 from .norms import abs_sum_bound, squared_norm
 from .verdict import Verdict
 
@@ -124,10 +126,58 @@ class ChecksumWeights:
             c = c + torch.dot(weights[cols:], flat[main:].to(torch.float64))
         return c
 
-    def terms(self, index: int, flat: torch.Tensor) -> torch.Tensor:
+    def terms(self, index: int, flat: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """``[c, squared norm]`` (float64, no sync) of a local bucket: what check 4's vote needs
-        of it, and check 1's finiteness."""
-        return torch.stack([self.checksum(index, flat), squared_norm(flat)])
+        of it, and check 1's finiteness; with ``scale``, the bucket is then multiplied by it in
+        place (``flat.mul_(scale)``: DDP's 1/W before the all-reduce).
+
+        Where the fused Triton kernel runs (CUDA, float32/bfloat16/float16, its self-test passed:
+        ``fingerprint.triton_checksum``) the bucket is read once for all three (the fold, the
+        squares' fold, the scaling): :func:`fused_terms`. Elsewhere the torch path reads it for
+        the fold, for the norm and for the scaling (no torch operation yields two of them from
+        one read without a bucket-sized intermediate, which costs more than the second read)."""
+        cols = flat.numel() // ROWS
+        if cols and triton_checksum.available(flat) and triton_checksum.ready(flat.device):
+            p, q = triton_checksum.fold(flat[:cols * ROWS].view(ROWS, cols), scale)
+            return self._combine(index, flat, p, q, scale)
+        out = torch.stack([self.checksum(index, flat), squared_norm(flat)])
+        if scale is not None:
+            flat.mul_(scale)
+        return out
+
+    def fused_terms(self, index: int, flat: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """The fused kernel's result, computed with torch operations (:func:`fused_fold`): what the
+        kernel must equal bit for bit on the same device."""
+        cols = flat.numel() // ROWS
+        p, q = fused_fold(flat[:cols * ROWS].view(ROWS, cols), scale)
+        return self._combine(index, flat, p, q, scale)
+
+    def _combine(self, index: int, flat: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                 scale: float | None) -> torch.Tensor:
+        """``[c, squared norm]`` from the columns' fold ``p`` and squares' fold ``q``, and the tail
+        (the last ``n mod ROWS`` elements, still unscaled; scaled here after they are read).
+
+        The squared norm is within ``norms.norm_roundoff`` of the exact one below: each square is
+        rounded once and added ``LEVELS`` times in float32 (five roundings, against at least 19
+        that bound allows), then the columns add in float64."""
+        n = flat.numel()
+        cols = n // ROWS
+        main = cols * ROWS
+        weights = self.table(index, n, flat.device)
+        zero = torch.zeros((), dtype=torch.float64, device=flat.device)
+        c, sq = zero, zero
+        if cols:
+            o = self.offset_seed % cols
+            folded = p.to(torch.float64)
+            c = torch.dot(weights[o:cols], folded[:cols - o]) + torch.dot(weights[:o], folded[cols - o:])
+            sq = q.to(torch.float64).sum()
+        if main < n:
+            tail = flat[main:].to(torch.float64)
+            c = c + torch.dot(weights[cols:], tail)
+            sq = sq + torch.dot(tail, tail)
+            if scale is not None:
+                flat[main:].mul_(scale)
+        return torch.stack([c, sq])
 
 
 def _fold(rows: torch.Tensor) -> torch.Tensor:
@@ -145,6 +195,27 @@ def _fold(rows: torch.Tensor) -> torch.Tensor:
             a[:half] += a[half:2 * half]
         return a[0].to(torch.float64)
     return _pairs(rows, 0, ROWS, acc).to(torch.float64)
+
+
+def fused_fold(rows: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused kernel's formula in torch operations: ``(P, Q)`` (float32) of a ``(ROWS, L)``
+    float32/bfloat16/float16 bucket view — ``P`` its rows added pairwise in :func:`_fold`'s tree
+    (halves), ``Q`` the same over the rows' squares, each rounded to float32 before it is added —
+    then, with ``scale``, the rows multiplied by it in place (``mul_``, as DDP's comm hook does)."""
+    r = rows.to(torch.float32)
+    p, q = _halves(r), _halves(r * r)
+    if scale is not None:
+        rows.mul_(scale)
+    return p, q
+
+
+def _halves(rows: torch.Tensor) -> torch.Tensor:
+    half = ROWS // 2
+    a = rows[:half] + rows[half:]
+    while half > 1:
+        half //= 2
+        a[:half] += a[half:2 * half]
+    return a[0]
 
 
 def _pairs(rows: torch.Tensor, lo: int, hi: int, acc: torch.dtype) -> torch.Tensor:
@@ -211,11 +282,31 @@ def vote(local: list[torch.Tensor], reduced: list[torch.Tensor], sizes: list[tup
     return torch.stack([x, y])
 
 
+def _bound_terms(shape: Shape) -> tuple[float, float]:
+    """``(a, b)`` with ``rounding_bound(y) = y * a + b``: one formula for the host and the device."""
+    underflow = max((_UNDERFLOW.get(d, _UNDERFLOW[torch.float32]) for d in shape.dtypes), default=0.0)
+    return 1 + _gamma(shape.world + 2, _UNIT_ROUNDOFF[torch.float64]), 5 * shape.world * underflow * shape.elements
+
+
 def rounding_bound(y: float, shape: Shape) -> float:
     """The largest ``|X|`` honest rounding can produce, for the summed ``Y``: Y itself (each
     rank's share already carries its coefficients) plus the underflow term."""
-    underflow = max((_UNDERFLOW.get(d, _UNDERFLOW[torch.float32]) for d in shape.dtypes), default=0.0)
-    return y * (1 + _gamma(shape.world + 2, _UNIT_ROUNDOFF[torch.float64])) + 5 * shape.world * underflow * shape.elements
+    a, b = _bound_terms(shape)
+    return y * a + b
+
+
+def failed_on_device(total: torch.Tensor, shape: Shape | None) -> torch.Tensor:
+    """What checks 1 and 4 decide from the summed ``[X, Y]``, on its device without a sync: a
+    float32 scalar 1.0 when they would not let the update through (something not finite, or
+    ``|X|`` past the bound ``judge_checksum`` computes, in the same float64 operations), else
+    0.0 — the ``found_inf`` a fused optimizer reads (0-d, like GradScaler's) (``sdcguard.gate``). A non-finite sum
+    holds the update back whatever the host decides later (the data's NaN, or a finite gradient
+    whose float32 norm overflowed, is then a skipped step)."""
+    passed = torch.isfinite(total).all()
+    if shape is not None:
+        a, b = _bound_terms(shape)
+        passed = passed & (total[0].abs() <= total[1] * a + b)
+    return torch.logical_not(passed).to(torch.float32)
 
 
 def judge_checksum(x: float, y: float, shape: Shape) -> Verdict | None:

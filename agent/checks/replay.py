@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from .norms import squared_norm
-from ..fingerprint import Fingerprint, fingerprint, fingerprint_many
+from ..fingerprint import Fingerprint, fingerprint_many
 from .rng import forward_seed, seeded
 
 _state = {"replaying": False}
@@ -128,14 +128,16 @@ def replay(
     """Recompute ``payload``'s local step on ``module``; ``params`` are (index, parameter)."""
     saved = snapshot_buffers(module)
     grads: dict[int, torch.Tensor] = {}
-    losses: list[Fingerprint] = []
+    losses: list[torch.Tensor] = []
     nonfinite_micro = None
     # Each parameter's gradient is added into its sum as the backward pass produces it, as
     # AccumulateGrad does (g0, then g0 + g1, ...: the same bits), and autograd.grad gets a
     # one-element stand-in back: so the sums and a whole micro-batch's gradients never coexist
-    # (an audit step's peak stays within one gradient copy of a plain step's).
+    # (an audit step's peak stays within one gradient copy of a plain step's). One micro-batch
+    # has nothing to add: autograd.grad's own answer is the sum, and no hook runs per parameter.
+    single = len(payload.micro_batches) == 1
     holders: collections.Counter[int] = collections.Counter()
-    handles = [p.register_hook(_accumulator(grads, holders, index)) for index, p in params]
+    handles = [] if single else [p.register_hook(_accumulator(grads, holders, index)) for index, p in params]
     try:
         with _replay_mode():
             for i, micro in enumerate(payload.micro_batches):
@@ -147,14 +149,18 @@ def replay(
                 scaled = weighting.apply(loss) if weighting is not None else loss
                 if scale is not None:
                     scaled = scale(scaled)
-                torch.autograd.grad(scaled, [p for _, p in params], allow_unused=True)
-                losses.append(fingerprint(loss.detach()))
+                out = torch.autograd.grad(scaled, [p for _, p in params], allow_unused=True)
+                if single:
+                    grads = {index: g for (index, _), g in zip(params, out) if g is not None}
+                del out
+                losses.append(loss.detach())
                 if with_norm and nonfinite_micro is None and not _finite(loss, grads.values()):
                     nonfinite_micro = i
     finally:
         for handle in handles:
             handle.remove()
-        load_buffers(module, saved)
+        if saved:
+            load_buffers(module, saved)
     result = _result(params, grads, losses, with_norm)
     result.nonfinite_micro = nonfinite_micro
     return result
@@ -200,7 +206,9 @@ def _finite(loss: torch.Tensor, grads: Any) -> bool:
 
 
 def snapshot_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: buf.detach().clone() for name, buf in module.named_buffers()}
+    # a DTensor buffer (torchtitan's RoPE cache under tensor parallelism) travels as its local
+    # tensor: the replaying rank holds the same placement in its own mesh
+    return {name: _local(buf).detach().clone() for name, buf in module.named_buffers()}
 
 
 class ForwardBuffers:
@@ -234,15 +242,23 @@ def load_buffers(module: torch.nn.Module, values: dict[str, torch.Tensor]) -> No
     with torch.no_grad():
         for name, buf in module.named_buffers():
             if name in values:
-                buf.copy_(values[name])
+                _local(buf).copy_(values[name])
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (the same storage), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _result(params: list[tuple[int, torch.nn.Parameter]], grads: dict[int, torch.Tensor],
-            losses: list[Fingerprint], with_norm: bool) -> PassResult:
+            losses: list[torch.Tensor], with_norm: bool) -> PassResult:
     # A parameter the batch did not reach has a zero gradient in DDP's bucket too.
     ordered = [grads.get(index) for index, _ in params]
     ordered = [torch.zeros_like(p) if g is None else g for g, (_, p) in zip(ordered, params)]
-    fps = dict(zip((index for index, _ in params), fingerprint_many(ordered)))
+    # The losses with the gradients: one read of the sums to the host for the whole pass.
+    every = fingerprint_many(ordered + losses)
+    fps = dict(zip((index for index, _ in params), every))
+    losses = every[len(ordered):]
     if not with_norm:
         return PassResult(losses, fps)
     # Only its finiteness matters (GradScaler confirmation), accumulated exactly as the comm hook

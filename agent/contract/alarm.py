@@ -57,16 +57,25 @@ class Additive(TypedDict, total=False):
     written again."""
     drill: bool
     """The record comes from ``sdcguard drill`` (synthetic faults)."""
+    step_seconds: float | None
+    """The wall seconds of one checked step, measured on the reporting rank while training (a step
+    without sdcguard times one plus the checks' premium): what redoing a step costs each rank."""
+    world_size: int | None
+    """The job's ranks (GPUs): with ``steps_at_risk`` and ``step_seconds``, the rollback's GPU-seconds."""
 
 
 ADDITIVE_FIELDS = tuple(Additive.__annotations__)
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+GPU_UUID = re.compile(r"^(GPU|MIG)-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+"""``suspects[].gpu.uuid``: as nvidia-smi prints it and dcgm-exporter labels its series (``UUID``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Gpu:
-    """``suspects[].gpu``: the rank's device (``uuid`` None on CPU)."""
+    """``suspects[].gpu``: the rank's device. ``index``: the CUDA device index the process uses (on
+    CPU: the rank's local index on its node); ``uuid``: the GPU's UUID as nvidia-smi prints it and
+    dcgm-exporter labels it (``UUID``), None on CPU. Absent from records of older libraries."""
 
     index: int
     uuid: str | None = None
@@ -126,6 +135,8 @@ class Alarm:
     last_good_checkpoint_step: int | None = None
     last_good_checkpoint_kept_from: str | None = None
     drill: bool = False
+    step_seconds: float | None = None
+    world_size: int | None = None
 
     @classmethod
     def parse(cls, record: Any) -> "Alarm":
@@ -272,6 +283,13 @@ def _validate_additive(record: dict[str, Any]) -> None:
         raise AlarmError("last_good_checkpoint_kept_from must be a string or null")
     if "drill" in record and not isinstance(record["drill"], bool):
         raise AlarmError("drill must be a boolean")
+    seconds = record.get("step_seconds")
+    if seconds is not None and (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)
+                                or not math.isfinite(seconds) or seconds < 0):
+        raise AlarmError("step_seconds must be a non-negative finite number or null")
+    world = record.get("world_size")
+    if world is not None and (not _is_int(world) or world < 1):
+        raise AlarmError("world_size must be a positive integer or null")
     job = record["job"]
     if job is not None and job.get("uid") is not None and not isinstance(job["uid"], str):
         raise AlarmError("job.uid must be a string or null")
@@ -323,5 +341,15 @@ def _validate_identity(entry: Any, where: str) -> None:
         raise AlarmError(f"{where}.pod_uid must be a string or null")
     gpu = entry.get("gpu")
     if gpu is not None and (not isinstance(gpu, dict) or not _is_int(gpu.get("index")) or gpu["index"] < 0
-                            or not (gpu.get("uuid") is None or isinstance(gpu["uuid"], str))):
-        raise AlarmError(f"{where}.gpu must be {{index, uuid}}: a non-negative integer and a string or null")
+                            or not (gpu.get("uuid") is None or isinstance(gpu["uuid"], str)
+                                    and GPU_UUID.fullmatch(gpu["uuid"]))):
+        raise AlarmError(f"{where}.gpu must be {{index, uuid}}: a non-negative integer and null or a GPU UUID as "
+                         "nvidia-smi prints it (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
+
+
+def gpu_text(gpu: Mapping[str, Any] | None) -> str:
+    """A suspect's GPU as people read it: ``GPU 3 (GPU-8b2c…)``, ``GPU 3`` on CPU, ``""`` when the
+    record names none (an older library)."""
+    if not gpu:
+        return ""
+    return f"GPU {gpu['index']}" + (f" ({gpu['uuid']})" if gpu.get("uuid") else "")

@@ -118,3 +118,46 @@ def build_event(
         "reportingComponent": names.EVENT_COMPONENT,
         "reportingInstance": fallback_pod or names.EVENT_COMPONENT,
     }
+
+
+def resume_event_name(resume_id: str) -> str:
+    """The resume record's Event name: deterministic, like an alarm's (a resent record collides)."""
+    return event_name(f"resume-{resume_id}")
+
+
+def resume_message(record: Mapping[str, Any]) -> str:
+    checkpoint = record["checkpoint"]
+    job = record["job"]
+    digest = f", sha256 {checkpoint['sha256'][:12]}" if checkpoint.get("sha256") else ""
+    return (f"{job['kind']} {job['namespace']}/{job['name']} resumed from checkpoint {checkpoint['path']} "
+            f"(step {checkpoint['step']}{digest})")
+
+
+def build_resume_event(record: Mapping[str, Any], *, fallback_pod: str | None = None, host: str | None = None,
+                       key: bytes | None = None) -> dict[str, Any]:
+    """The Event for one validated resume record (:mod:`.resume`): reason ``SilentDataCorruption``
+    (so the operator's one watch sees it, and ``kubectl get events --field-selector
+    reason=SilentDataCorruption`` shows a job's alarms and its resumes together), type Normal, the
+    record in ``sdcguard.dev/resume``, signed with ``key`` as an alarm is."""
+    from . import resume as _resume
+    job = record["job"]
+    pod = (record.get("reporter") or {}).get("pod") or fallback_pod
+    involved = ({"apiVersion": "v1", "kind": "Pod", "name": pod, "namespace": job["namespace"]} if pod else
+                {"apiVersion": names.JOB_API_VERSION, "kind": job["kind"], "name": job["name"],
+                 "namespace": job["namespace"]})
+    text = _resume.dumps(record)
+    annotations = {names.RESUME_ANNOTATION: text}
+    if key is not None:
+        annotations[names.ALARM_SIGNATURE_ANNOTATION] = alarm_signature(key, text)
+    source: dict[str, str] = {"component": names.EVENT_COMPONENT}
+    if host:
+        source["host"] = host
+    return {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"name": resume_event_name(record["id"]), "namespace": job["namespace"],
+                     "annotations": annotations},
+        "type": "Normal", "reason": names.EVENT_REASON, "message": resume_message(record),
+        "involvedObject": involved, "source": source,
+        "firstTimestamp": record["time"], "lastTimestamp": record["time"], "count": 1,
+        "reportingComponent": names.EVENT_COMPONENT, "reportingInstance": fallback_pod or names.EVENT_COMPONENT,
+    }

@@ -54,6 +54,20 @@ ALARM_SIGNATURE_SCHEME = "v1"
 # -- HyperPod's own labels on the EKS nodes of a cluster (read by the operator, set by the sandbox) --
 HYPERPOD_CLUSTER_LABEL = "sagemaker.amazonaws.com/cluster-name"
 HYPERPOD_GROUP_LABEL = "sagemaker.amazonaws.com/instance-group-name"
+HYPERPOD_HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
+HYPERPOD_PENDING_HEALTH = ("UnschedulablePendingReplacement", "UnschedulablePendingReboot")
+"""Values of ``HYPERPOD_HEALTH_LABEL`` saying HyperPod's own resiliency already acts on the node:
+sdcguard records it and asks for no replacement of its own."""
+
+# -- what the rest of the cluster sees (docs/operator.md) ------------------------------------------
+NODE_CONDITION = "SilentDataCorruptionSuspected"
+"""The condition type on a suspect node's status, ``True`` from the cordon until the replacement or
+a person's denial resolves it (NodeHealthCheck, node-problem consumers, dashboards read it)."""
+NVSENTINEL_GROUP, NVSENTINEL_VERSION, NVSENTINEL_PLURAL, NVSENTINEL_KIND = (
+    "nvsentinel.dgxc.nvidia.com", "v1", "externalfaults", "ExternalFault")
+"""NVIDIA NVSentinel's ``ExternalFault`` (its ADR-049): an external system's fault on a node."""
+ENV_NVSENTINEL_EXTERNAL_FAULT = "SDCGUARD_NVSENTINEL_EXTERNAL_FAULT"
+"""Operator setting (chart ``nvsentinel.externalFault.enabled``): create an ExternalFault per suspect GPU."""
 
 # -- the operator's webhooks: kopf serves each at POST /<handler id> (the chart and sandbox call them)
 POD_WEBHOOK_ID = "sdcguard-pod-inject"
@@ -68,6 +82,20 @@ INTAKE_ANNOTATION = f"{GROUP}/intake"
 WAS_UNSCHEDULABLE_ANNOTATION = f"{GROUP}/was-unschedulable"
 INCIDENT_JOB_LABEL = f"{GROUP}/job"
 """On each SDCIncident: the name of its job (``kubectl get sdcincidents -l sdcguard.dev/job=NAME``)."""
+REPEAT_OFFENDER_LABEL = f"{GROUP}/repeat-offender"
+"""On a node whose instance or GPU had alarms in more than one incident within the repeat-offender
+window: ``"true"`` (``kubectl get nodes -l sdcguard.dev/repeat-offender``); set by the operator, kept
+until the node leaves the cluster or a person removes it."""
+REPEAT_OFFENDER_ANNOTATION = f"{GROUP}/repeat-offender"
+"""Beside the label: which instance or GPU, and the incidents behind it (one line)."""
+HARDWARE_HISTORY_CONFIGMAP = "sdcguard-hardware-history"
+"""The operator's own record of which instances and GPUs had alarms (its namespace): it outlives
+jobs, incidents, namespaces and the nodes themselves (docs/operator.md, Repeat offenders)."""
+
+# -- the resumed run (docs/operator.md, Evidence report) -------------------------------------------
+RESUME_ANNOTATION = f"{GROUP}/resume"
+"""On a ``SilentDataCorruption`` Event of type Normal: the resume record (schema
+``sdcguard.dev/resume/v1``), signed like an alarm (``ALARM_SIGNATURE_ANNOTATION``) with the job's key."""
 
 # -- environment of the training container (set by the webhook, read by sdcguard.Config) ---------
 ENV_AUDIT_EVERY = "SDCGUARD_AUDIT_EVERY"

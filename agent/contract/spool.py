@@ -59,6 +59,30 @@ def write_json_atomic(path: Path, text: str, durable: bool = True) -> Path:
     return path
 
 
+RESUME_SUFFIX = ".resume.json"
+"""A resume record (:mod:`.resume`): published like an alarm, but nobody waits for it."""
+
+
+def resume_path(spool: str | os.PathLike[str], resume_id: str) -> Path:
+    return Path(spool) / (_SAFE_NAME.sub("_", resume_id) + RESUME_SUFFIX)
+
+
+def write_resume(spool: str | os.PathLike[str], record: Mapping[str, Any]) -> Path:
+    """Validate and write one resume record atomically; return its path."""
+    from . import resume
+    resume.validate(dict(record))
+    return write_json_atomic(resume_path(spool, record["id"]), resume.dumps(record))
+
+
+def list_records(spool: str | os.PathLike[str]) -> list[Path]:
+    """Alarm and resume records waiting in the spool, oldest first (what the sidecar publishes)."""
+    root = Path(spool)
+    if not root.is_dir():
+        return []
+    files = [p for p in root.iterdir() if p.name.endswith((ALARM_SUFFIX, RESUME_SUFFIX)) and not p.name.startswith(".")]
+    return sorted(files, key=lambda p: (p.stat().st_mtime_ns, p.name))
+
+
 def list_alarms(spool: str | os.PathLike[str]) -> list[Path]:
     """Complete records in the spool, oldest first (temporary files are hidden dot-files)."""
     root = Path(spool)

@@ -1,5 +1,5 @@
-"""``sdcguard drill``: a real multi-process DDP run (FSDP2 with ``--shard``) with injected faults,
-judged and reported.
+"""``sdcguard drill``: a real multi-process DDP run (FSDP2 with ``--shard``, a pipeline with ``--pp``) with
+injected faults, judged and reported.
 
 It is the first-run demo and the user's fault-injection release test. The parent process checks
 every argument before any process starts, launches one worker per rank (simulated node ``k`` is
@@ -28,7 +28,7 @@ from ..faults.spec import SHARD_SIDE, FaultSpec, FaultSpecError, parse_fault
 
 
 DESCRIPTION = """\
-A real multi-process DDP (with --shard, FSDP2) training of a small model with the faults you
+A real multi-process DDP (with --shard, FSDP2; with --pp, a pipeline) training of a small model with the faults you
 inject, judged and reported: the first-run demo and the fault-injection release test.
 
 Safe inside an enabled pod: the drill takes no setting from the environment. Its checks run on its
@@ -52,6 +52,14 @@ head row-wise over T consecutive ranks (parallelize_module, before fully_shard o
 The job has R x S x T ranks; a TP group lies within a node (T divides --ranks-per-node). A fault
 in one rank's forward reaches its whole TP group: the group is named.
 
+Pipeline parallel (--pp M --replicate R, M = 2 or 3): the model split into M stages
+(torch.distributed.pipelining, --schedule 1f1b, gpipe or interleaved (two stages per rank, M = 2);
+the last stage holds the head and the loss), each stage replicated R >= 2 times by DDP: rank r holds stage r % M of replica r // M (a
+replica's pipeline on M consecutive ranks, so the replay ring, the same stage of another replica,
+crosses nodes). A fault's param= / site= must name what its rank's stage holds; a reduce-* fault
+without a rank strikes the stage holding its parameter. The schedule's first step is never audited;
+with --on-alarm resume a pipeline resumes from a checkpoint (--checkpoint-every K).
+
 Exit status: 0 passed, 1 a fault missed or misattributed / an unsafe resume / an unexplained
 alarm, 2 bad input, 3 the run itself failed."""
 
@@ -70,8 +78,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, metavar="T", default=1,
                         help="tensor parallel over T consecutive ranks within a node (needs FSDP2: --shard S, "
                              "default 1); the job has R x S x T ranks")
+    parser.add_argument("--pp", type=int, metavar="M", default=1,
+                        help="pipeline parallel: the model split into M stages (2 or 3) on M consecutive ranks, "
+                             "each stage replicated R times by DDP (needs --replicate R >= 2); the job has R x M ranks")
+    parser.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"), default="1f1b",
+                        help="with --pp: the pipeline schedule (default 1f1b; interleaved: interleaved 1F1B, two "
+                             "stages per rank, --pp 2 only)")
     parser.add_argument("--replicate", type=int, metavar="R",
-                        help="with --shard: R replicas of each shard (HSDP over (R, S); 1 = pure FSDP); default: the "
+                        help="with --pp: R replicas of the pipeline; with --shard: R replicas of each shard (HSDP over (R, S); 1 = pure FSDP); default: the "
                              "job's ranks / S; without --nodes / --world-size the job has R x S ranks")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     parser.add_argument("--audit-every", type=int, default=5, help="check 2 interval, 0 = off (default 5)")
@@ -111,6 +125,9 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         raise DrillInputError("--checkpoint-dir needs --checkpoint-every")
     if args.checkpoint_dir is not None and args.checkpoint_dir.exists() and not args.checkpoint_dir.is_dir():
         raise DrillInputError(f"--checkpoint-dir {args.checkpoint_dir} is not a directory")
+    pp = _pp(args)
+    if pp > 1:
+        return _pipeline_config(args, pp)
     tp = _tp(args)
     mesh = _mesh(args)
     if mesh is not None and args.world_size is None and args.nodes is None and args.replicate is not None:
@@ -125,7 +142,12 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     except FaultSpecError as exc:
         raise DrillInputError(str(exc)) from None
     sharded = {} if mesh is None else {"replicate": mesh[0], "shard": mesh[1], **({"tp": tp} if tp > 1 else {})}
-    return {**sharded,
+    return _common(args, sharded, nodes, world, faults)
+
+
+def _common(args: argparse.Namespace, layout: dict[str, Any], nodes: int, world: int,
+            faults: list[FaultSpec]) -> dict[str, Any]:
+    return {**layout,
         "nodes": nodes, "ranks_per_node": args.ranks_per_node, "world_size": world,
         "steps": args.steps, "audit_every": args.audit_every,
         "weight_check_every": args.weight_check_every, "micro_batches": args.micro_batches,
@@ -221,6 +243,51 @@ def _check_mesh(mesh: tuple[int | None, int], world: int, per_node: int, tp: int
         raise DrillInputError("tensor parallelism alone leaves no data-parallel replica to compare with: give "
                               "--replicate or --shard so that the job has 2 data-parallel ranks at least")
     return replicate, shard
+
+
+def _pp(args: argparse.Namespace) -> int:
+    """M from --pp, with what the pipeline drill refuses (for now) checked up front."""
+    pp = args.pp if args.pp is not None else 1
+    if pp < 1:
+        raise DrillInputError("--pp must be >= 1")
+    if pp == 1:
+        if args.schedule != "1f1b":
+            raise DrillInputError("--schedule needs --pp M (a pipeline of M >= 2 stages)")
+        return 1
+    if args.shard is not None or (args.tp or 1) > 1:
+        raise DrillInputError("--pp with --shard or --tp is not drilled yet: the pipeline drill replicates each "
+                              "stage with DDP (--pp M --replicate R)")
+    if pp > 3:
+        raise DrillInputError(f"--pp {pp}: the drill model has three layers, so at most 3 stages")
+    if args.schedule == "interleaved" and pp != 2:
+        raise DrillInputError(f"--schedule interleaved needs --pp 2: two stages per rank, and the drill model has "
+                              f"four parts (not {2 * pp} stages)")
+    if args.replicate is None or args.replicate < 2:
+        raise DrillInputError("--pp needs --replicate R >= 2: each stage is compared with its replicas "
+                              "(one replica of a stage has nothing to compare with)")
+    return pp
+
+
+def _pipeline_config(args: argparse.Namespace, pp: int) -> dict[str, Any]:
+    """The pipeline drill's config: R replicas of M consecutive ranks (drill/pipeline.py)."""
+    replicate = args.replicate
+    if args.world_size is None and args.nodes is None:
+        nodes, world = _layout(None, replicate * pp, args.ranks_per_node)
+    else:
+        nodes, world = _layout(args.nodes, args.world_size, args.ranks_per_node)
+    if replicate * pp != world:
+        raise DrillInputError(f"--replicate {replicate} x --pp {pp} = {replicate * pp} ranks, but the job has {world}")
+    if args.on_alarm == "resume" and not args.checkpoint_every:
+        raise DrillInputError("--pp with --on-alarm resume needs --checkpoint-every K: a pipeline resumes through "
+                              "guard.load_checkpoint, whose first step reduces as the uninterrupted run did "
+                              "(docs/pipeline.md)")
+    from . import pipeline
+    try:
+        faults = [parse_fault(text, world) for text in args.inject]
+        pipeline.check_faults(faults, pp, args.schedule)
+    except FaultSpecError as exc:
+        raise DrillInputError(str(exc)) from None
+    return _common(args, {"pp": pp, "replicate": replicate, "schedule": args.schedule}, nodes, world, faults)
 
 
 def _tp(args: argparse.Namespace) -> int:
@@ -335,6 +402,10 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 def _print_header(cfg: dict[str, Any]) -> None:
     faults = ", ".join(str(FaultSpec(**f)) for f in cfg["faults"]) or "none"
+    if cfg.get("pp"):
+        pp = cfg["pp"]
+        print(f"[drill] pipeline: {pp} stages ({cfg['schedule']}) x {cfg['replicate']} replicas (DDP over each "
+              f"stage); rank r holds stage r % {pp} of replica r // {pp}", flush=True)
     if cfg.get("shard"):
         mesh = (f"HSDP {cfg['replicate']} replicas x {cfg['shard']} shards" if cfg["replicate"] > 1
                 else f"FSDP over {cfg['shard']} ranks (one replica)")

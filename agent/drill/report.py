@@ -23,7 +23,9 @@ def build_report(cfg: dict[str, Any], results: list[dict[str, Any]], alarms: lis
     stopped_at = results[0]["stopped_at_step"]
     plan = Schedule(cfg["steps"], cfg["audit_every"], cfg["weight_check_every"], cfg["nodes"], cfg["checkpoint_every"],
                     checks_weights=not cfg.get("shard") or cfg["replicate"] > 1,  # pure FSDP: no check 3
-                    tp=cfg.get("tp", 1))
+                    checks_updates=bool(cfg.get("shard")) and cfg["replicate"] == 1 and cfg.get("tp", 1) == 1,  # its update re-run (AdamW)
+                    tp=cfg.get("tp", 1),
+                    pipeline=pipeline_grid(cfg["world_size"], cfg["pp"]) if cfg.get("pp") else None)
     recoveries = _recoveries(results[0]["recoveries"], alarms)
     verdict: Judgement = judge_faults(faults, alarms, plan, stopped_at=stopped_at,
                                       resumed_at={r["alarm"]: r["resume_step"] for r in recoveries})
@@ -41,6 +43,12 @@ def build_report(cfg: dict[str, Any], results: list[dict[str, Any]], alarms: lis
         "final_weight_digests": digests,
         "final_weights_digest": next(iter(digests.values())) if len(set(digests.values())) == 1 else None,
     }
+
+
+def pipeline_grid(world: int, pp: int) -> tuple[tuple[int, int], ...]:
+    """``(replica, position)`` of every rank of the pipeline drill: a replica is ``pp``
+    consecutive ranks (as ``drill/pipeline.py`` lays them out)."""
+    return tuple((r // pp, r % pp) for r in range(world))
 
 
 def merge_fired(results: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,6 +1,7 @@
 """One rank of a drill: real DDP training of the drill model, with faults injected; with ``shard``
 in the config, the model sharded by FSDP2 instead (``fully_shard`` per layer, then the root) over
-the ``(replicate, shard)`` mesh of consecutive ranks the drill's parent checked.
+the ``(replicate, shard)`` mesh of consecutive ranks the drill's parent checked; with ``pp``, the
+model split into pipeline stages replicated by DDP (``drill/pipeline.py``).
 
 Started by ``sdcguard drill`` as ``python -m sdcguard.drill.worker CONFIG.json`` with ``RANK`` and
 ``WORLD_SIZE`` set; everything else (the checks' settings, the spool, each rank's pod and node)
@@ -35,6 +36,7 @@ from ..guard import Guard
 from ..recovery import History
 from ..faults.injector import FaultInjector
 from ..faults.sharded import ShardedFaultInjector
+from . import pipeline
 
 
 def main(config_path: str) -> int:
@@ -59,10 +61,12 @@ def _device_mesh(cfg: dict[str, Any]) -> Any:
     """The sharded drill's mesh (made once: every rebuilt job reuses it), or None for DDP. Rank r
     is shard r % S of replica r // S: a shard group is S consecutive ranks, as torchtitan lays
     ``(dp_replicate, dp_shard)`` out."""
-    if not cfg.get("shard"):
-        return None
     from torch.distributed.device_mesh import init_device_mesh
     kind = "cuda" if cfg["backend"] == "nccl" else "cpu"
+    if cfg.get("pp"):  # rank r: stage r % M of replica r // M (drill/pipeline.py)
+        return init_device_mesh(kind, (cfg["replicate"], cfg["pp"]), mesh_dim_names=("dp", "pp"))
+    if not cfg.get("shard"):
+        return None
     if cfg.get("tp", 1) > 1:  # rank r: TP rank r % T; torchtitan's (dp_replicate, dp_shard, tp) order
         return init_device_mesh(kind, (cfg["replicate"], cfg["shard"], cfg["tp"]),
                                 mesh_dim_names=("replicate", "shard", "tp"))
@@ -94,6 +98,8 @@ class Snapshot:
 
 
 def build(cfg: dict[str, Any], rank: int, device: torch.device, injector: Any, mesh: Any = None) -> Trainer:
+    if cfg.get("pp"):
+        return pipeline.build(cfg, rank, device, injector, mesh)  # type: ignore[return-value]
     if mesh is not None:
         return build_sharded(cfg, rank, device, injector, mesh)
     torch.manual_seed(cfg["seed"])
@@ -160,7 +166,10 @@ def train(cfg: dict[str, Any], rank: int, mesh: Any = None) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     specs = [FaultSpec(**f) for f in cfg["faults"]]
-    injector = ShardedFaultInjector(specs, rank) if mesh is not None else FaultInjector(specs, rank)
+    if cfg.get("pp"):  # the faults striking this rank's stage, targets spelled out
+        injector: Any = FaultInjector(pipeline.faults_of_rank(specs, rank, cfg["pp"], cfg["schedule"]), rank)
+    else:
+        injector = ShardedFaultInjector(specs, rank) if mesh is not None else FaultInjector(specs, rank)
     job = build(cfg, rank, device, injector, mesh)
     snapshots: list[Snapshot] = [_snapshot(-1, job)]  # DDP broadcast rank 0's weights (FSDP2: same seed): replicas start equal
     alarms: list[str] = []
@@ -202,7 +211,7 @@ def train(cfg: dict[str, Any], rank: int, mesh: Any = None) -> dict[str, Any]:
         "recoveries": recoveries,
         "steps_completed": stopped_at if stopped_at is not None else cfg["steps"],
         "stopped_at_step": stopped_at,
-        "final_weights": _weights_digest(job.model),
+        "final_weights": pipeline.weights_digest(job) if cfg.get("pp") else _weights_digest(job.model),
     }
 
 
@@ -217,11 +226,15 @@ def _weights_digest(model: torch.nn.Module) -> str:
 def _step(cfg: dict[str, Any], job: Trainer, injector: FaultInjector, rank: int, step: int) -> torch.Tensor:
     """One checked step, and the verified checkpoint after it when one is due."""
     injector.begin_step(step)
-    data_rank = rank // cfg.get("tp", 1)  # a tensor-parallel group trains on one batch
-    batches = [make_batch(cfg["seed"], step, data_rank, m) for m in range(cfg["micro_batches"])]
-    loss = job.guard.train_step(step, micro_batches=batches)
+    if cfg.get("pp"):
+        loss = pipeline.train_step(cfg, job, rank, step)  # type: ignore[arg-type]
+    else:
+        data_rank = rank // cfg.get("tp", 1)  # a tensor-parallel group trains on one batch
+        batches = [make_batch(cfg["seed"], step, data_rank, m) for m in range(cfg["micro_batches"])]
+        loss = job.guard.train_step(step, micro_batches=batches)
     if cfg["checkpoint_every"] and step % cfg["checkpoint_every"] == 0:
-        name = f"step-{step}" if cfg.get("shard") else f"step-{step}.pt"  # sharded: a DCP directory
+        # sharded: a DCP directory; pipeline: a directory of one file per stage
+        name = f"step-{step}" if cfg.get("shard") or cfg.get("pp") else f"step-{step}.pt"
         job.guard.save_checkpoint(str(Path(cfg.get("checkpoint_dir") or Path(cfg["workdir"], "checkpoints"), name)),
                                   step)
     return loss

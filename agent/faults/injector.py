@@ -329,6 +329,11 @@ def _corrupt_output(output: Any, fault: FaultSpec, target: _Target) -> Any:
 
 
 def _corrupt_activation(output: torch.Tensor, fault: FaultSpec, target: _Target) -> torch.Tensor:
+    if hasattr(output, "to_local"):  # a DTensor (tensor parallelism): this rank computed its local piece only
+        from torch.distributed.tensor import DTensor
+        local = _corrupt_activation(output.to_local(), fault, target)
+        return DTensor.from_local(local, output.device_mesh, output.placements, run_check=False,
+                                  shape=output.shape, stride=output.stride())
     check_element(fault, f"the output of {target.name} (shape {tuple(output.shape)})", output.numel(), target.element)
     output = output.clone(memory_format=torch.contiguous_format)  # never write into what autograd saved
     flat, e = output.view(-1), target.element

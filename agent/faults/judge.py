@@ -17,11 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from ..contract.alarm import CHECK_REDUCE_CHECKSUM, CHECK_REPLAY, CHECK_WEIGHTS
+from ..contract.alarm import (
+    CHECK_NONFINITE_LOCAL, CHECK_NONFINITE_REDUCED, CHECK_REDUCE_CHECKSUM, CHECK_REPLAY, CHECK_WEIGHTS,
+)
 from .spec import FaultSpec, parse_fault
 
 __all__ = [
-    "Schedule", "Judgement", "judge_faults", "expectation", "suspect_window",
+    "Schedule", "Judgement", "judge_faults", "expectation", "suspect_window", "pipeline_candidates",
     "CAUGHT", "AMBIGUOUS", "ESCAPED", "NOT_REACHED", "MISSED", "MISATTRIBUTED", "RESUME_UNSAFE", "PASSING",
 ]
 
@@ -50,9 +52,16 @@ class Schedule:
     """Check 4 runs on every step (the reduce hook averages like DDP; not with a compression hook)."""
     checks_weights: bool = True
     """Check 3 has replicas to compare (not with one replica: a model sharded with pure FSDP)."""
+    checks_updates: bool = False
+    """With one replica: every rank's optimizer update is re-run by its ring neighbour on weight-check
+    steps (pure FSDP with AdamW, Adam or SGD), which catches a corrupted update on those steps."""
     tp: int = 1
     """Ranks per tensor-parallel group, laid out on consecutive ranks (1: none). A fault in one
     rank's forward reaches its whole group through the activation collectives: the group is named."""
+    pipeline: tuple[tuple[int, int], ...] | None = None
+    """Pipeline parallelism: ``(replica, position)`` of every rank (None: no pipeline). The
+    schedule's first step (step 0) is never audited (its shape inference primes DDP's reducer); an
+    ambiguous alarm must name ranks of the faulted rank's stage (check 1: of its replica)."""
 
     @classmethod
     def of(cls, guard: Any, steps: int, checkpoint_every: int | None = None) -> Schedule:
@@ -63,14 +72,19 @@ class Schedule:
         configured = getattr(cfg, "checkpoint_every", 0)
         layout = guard.layout
         mesh = getattr(layout, "mesh", None)
+        at = getattr(getattr(layout, "grid", None), "at", None)  # a pipeline's grid (layouts/pipeline.py)
+        pipeline = None if at is None else tuple(at[r] for r in range(topology.world_size))
         return cls(steps, cfg.audit_every if replicas else 0, cfg.weight_check_every, topology.nodes,
                    configured if checkpoint_every is None else checkpoint_every,
                    replicas and bool(configured) and getattr(cfg, "audit_checkpoints", False),
                    replicas and layout.checks_reduction,
                    layout.checks_weights or not replicas,  # sharded: check 3 needs a second replica of each shard
-                   mesh.tp if mesh is not None else 1)
+                   getattr(layout, "checks_updates", False),  # pure FSDP: its update re-run
+                   mesh.tp if mesh is not None else 1, pipeline)
 
     def audits(self, step: int) -> bool:
+        if self.pipeline is not None and step == 0:
+            return False  # a pipeline schedule's first step: see ``pipeline``
         if self.audit_checkpoints and self.checkpoints(step):
             return True
         return self.audit_every > 0 and step % self.audit_every == 0
@@ -135,6 +149,12 @@ def expectation(fault: FaultSpec, plan: Schedule) -> tuple[str | None, int | Non
         return check, audited[0], "ring replay on an audit step"
     if check == CHECK_WEIGHTS:
         if not plan.checks_weights:
+            if plan.checks_updates and fault.info.corrupts == "optimizer":
+                rerun = [s for s in firings if plan.weight_checks(s)]
+                if rerun:
+                    return check, rerun[0], "the ring neighbour's re-run of the rank's update differs from it"
+                return None, None, ("one replica (pure FSDP): the update re-run runs on weight-check steps only, and "
+                                    "the next one starts from the corrupted shard")
             return None, None, ("one replica (pure FSDP): no copy of the shard to compare with, and every rank "
                                 "all-gathers the same corrupted shard, so no replay differs")
         seen = _first_weight_check(fault, plan)
@@ -168,7 +188,7 @@ def judge_faults(faults: Iterable[FaultSpec | str], alarms: Iterable[Mapping[str
         else:
             unexplained.remove(match)
             row["alarm"], row["named"] = match["id"], list(match["suspect_ranks"])
-            row["outcome"] = _attribution(fault, match, plan.tp)
+            row["outcome"] = _attribution(fault, match, plan.tp, plan.pipeline)
             if resumed_at is not None and match["id"] in resumed_at:
                 row["resume_step"] = resumed_at[match["id"]]
                 unsafe = _unsafe_resume(fault, match, row["resume_step"])
@@ -197,13 +217,30 @@ def _unsafe_resume(fault: FaultSpec, alarm: Mapping[str, Any], resume_step: int)
     return None
 
 
-def _attribution(fault: FaultSpec, alarm: Mapping[str, Any], tp: int = 1) -> str:
+def _attribution(fault: FaultSpec, alarm: Mapping[str, Any], tp: int = 1,
+                 pipeline: tuple[tuple[int, int], ...] | None = None) -> str:
     named = list(alarm["suspect_ranks"])
     if fault.info.corrupts == "reduce":
         return CAUGHT if not named else MISATTRIBUTED
     if alarm["ambiguous"]:
-        return AMBIGUOUS if fault.rank in named else MISATTRIBUTED
+        if fault.rank not in named:
+            return MISATTRIBUTED
+        if pipeline is not None and not set(named) <= pipeline_candidates(fault, pipeline):
+            return MISATTRIBUTED
+        return AMBIGUOUS
     return CAUGHT if named == expected_suspects(fault, tp) else MISATTRIBUTED
+
+
+def pipeline_candidates(fault: FaultSpec, pipeline: tuple[tuple[int, int], ...]) -> set[int]:
+    """Who an ambiguous alarm may name for a fault on a pipeline (``pipeline``: every rank's
+    ``(replica, position)``): a non-finite value made in one stage reaches every stage of its
+    replica through the backward, so check 1 names ranks of the faulted replica; every other check
+    names ranks holding the faulted rank's stage (check 2: the first stage whose output differs,
+    and its pair; check 3: the stage's replicas)."""
+    replica, position = pipeline[fault.rank]
+    if fault.info.caught_by in (CHECK_NONFINITE_LOCAL, CHECK_NONFINITE_REDUCED):
+        return {r for r, (i, _) in enumerate(pipeline) if i == replica}
+    return {r for r, (_, p) in enumerate(pipeline) if p == position}
 
 
 def expected_suspects(fault: FaultSpec, tp: int = 1) -> list[int]:

@@ -25,9 +25,10 @@ way. ``trainer.fit(ckpt_path=...)`` checks the file against its manifest before 
 and the loaded weights against its digest before the first step.
 
 :class:`GuardedModelParallelStrategy` does the same for Lightning's ``ModelParallelStrategy`` with
-FSDP2 (``fully_shard`` in ``configure_model``, pure FSDP or HSDP; no tensor parallelism): the
+FSDP2 (``fully_shard`` in ``configure_model``, pure FSDP or HSDP, and tensor parallelism): the
 Guard is built on the sharded module, the sharded checks run (``sdcguard.sharding``), and every
-checkpoint is the Guard's verified DCP directory.
+checkpoint is the Guard's verified DCP directory; with ``tensor_parallel_size > 1``
+(``parallelize_module`` on Lightning's ``tensor_parallel`` mesh first) the tensor-parallel layout's.
 """
 from __future__ import annotations
 
@@ -316,16 +317,21 @@ class GuardedDDPStrategy(_CheckedSteps, DDPStrategy):
 
 
 class GuardedModelParallelStrategy(_CheckedSteps, ModelParallelStrategy):
-    """Lightning's ``ModelParallelStrategy`` (FSDP2: ``fully_shard`` in ``configure_model``) with
-    sdcguard's checks around every optimizer step, for data parallelism only.
+    """Lightning's ``ModelParallelStrategy`` (FSDP2: ``fully_shard`` in ``configure_model``, after
+    ``parallelize_module`` with ``tensor_parallel_size > 1``) with sdcguard's checks around every
+    optimizer step.
 
     ``configure_model`` shards the module: ``fully_shard`` on each block, then on the module itself
     (the root), with ``mesh=self.device_mesh["data_parallel"]`` (pure FSDP: one replica, so check 3
-    cannot run) or a ``(replicate, shard)`` mesh it builds with ``init_device_mesh`` (HSDP). The
-    Guard is built on the sharded module once Lightning made the optimizer. ``tensor_parallel_size``
-    must be 1 (sdcguard checks no tensor parallelism); ``data_parallel_size`` defaults to every
-    rank. Checkpoints are the Guard's sharded DCP directories (``guard.save_checkpoint``: check 3
-    first, a manifest of every file and shard; Lightning's own entries ride along in it) and
+    cannot run) or a ``(replicate, shard)`` mesh it builds with ``init_device_mesh`` (HSDP). With
+    ``tensor_parallel_size=N`` it first makes layers tensor parallel on
+    ``self.device_mesh["tensor_parallel"]`` (Lightning's mesh is ``("data_parallel",
+    "tensor_parallel")``, TP the fastest dimension): the Guard reads the TP dimension from the
+    parameters and checks every (TP, FSDP) position (``layouts/tensor_parallel.py``; the replay ring
+    must carry each TP group onto another, so each node holds whole TP groups). The Guard is built on
+    the sharded module once Lightning made the optimizer. ``data_parallel_size`` defaults to every
+    rank not taken by tensor parallelism. Checkpoints are the Guard's sharded DCP directories
+    (``guard.save_checkpoint``: check 3 first, a manifest of every file and shard; Lightning's own entries ride along in it) and
     ``trainer.fit(ckpt_path=DIR)`` loads one only after its files and shards are verified.
     ``expect_step`` / ``expect_sha256`` as for :class:`GuardedDDPStrategy`."""
 
@@ -334,10 +340,6 @@ class GuardedModelParallelStrategy(_CheckedSteps, ModelParallelStrategy):
     def __init__(self, config: Config | None = None, *, expect_step: int | None = None,
                  expect_sha256: str | None = None, data_parallel_size: int | str = "auto",
                  tensor_parallel_size: int | str = 1, **kwargs: Any) -> None:
-        if tensor_parallel_size not in (1, "auto"):
-            raise ConfigurationError(f"sdcguard: tensor_parallel_size={tensor_parallel_size!r}: sdcguard checks data "
-                                     "parallelism (FSDP2 / HSDP) only; a tensor-parallel mesh dimension cannot be "
-                                     "checked, use tensor_parallel_size=1")
         if not kwargs.get("save_distributed_checkpoint", True):
             raise ConfigurationError("sdcguard: save_distributed_checkpoint=False is not supported: a sharded "
                                      "model's checkpoints are written as verified DCP directories with a manifest")
@@ -345,12 +347,10 @@ class GuardedModelParallelStrategy(_CheckedSteps, ModelParallelStrategy):
         self._init_checks(config, expect_step, expect_sha256)
 
     def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto":  # Lightning's "auto" is the number of nodes: here every rank
-            self._data_parallel_size = self.num_nodes * self.num_processes
+        if self._data_parallel_size == "auto" and self._tensor_parallel_size != "auto":
+            # Lightning's "auto" is the number of nodes: here every rank not taken by tensor parallelism
+            self._data_parallel_size = self.num_nodes * self.num_processes // int(self._tensor_parallel_size)
         super().setup_environment()
-        if self._tensor_parallel_size != 1:
-            raise ConfigurationError(f"sdcguard: tensor_parallel_size resolved to {self._tensor_parallel_size}; "
-                                     "sdcguard checks data parallelism only: use tensor_parallel_size=1")
 
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)

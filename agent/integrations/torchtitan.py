@@ -26,6 +26,12 @@ returned. The Guard is built in ``__init__`` after torchtitan parallelized the m
 from ``train_step`` on every rank alike; ``Trainer.train`` lets it through, and torchtitan's
 ``train.py`` closes the trainer and re-raises: the run stops, the alarm is in the spool.
 
+Parallelisms: FSDP2, HSDP and the replicate-only mesh, each also with
+``parallelism.tensor_parallel_degree`` (torchtitan's mesh ``(dp_replicate, fsdp, tp)``: the Guard
+reads the ``tp`` dimension from the TP layers' DTensor parameters and checks every (TP, FSDP)
+position, ``layouts/tensor_parallel.py``). Refused before torchtitan builds anything, naming the
+setting (:func:`refusals`): context, expert and pipeline parallelism, and one data-parallel rank.
+
 Checkpoints: :class:`GuardedCheckpointManager` is torchtitan's DCP ``CheckpointManager`` with its
 ``_save`` / ``_load`` hooks (the ones torchtitan's ``BaseCheckpointManager`` has subclasses
 override) extended; ``GuardedTrainer.Config`` builds it in place of torchtitan's own. With
@@ -156,7 +162,7 @@ class GuardedCheckpointManager(CheckpointManager):
             manifest = dcp_manifest.build(
                 step=step, files=files, grid=layout.grid, weights_verified=verified, model_key="",
                 state_keys=[k for k in self.states if k != "model"],
-                parameters=names, reports=reports, recorded=recorded)
+                parameters=names, reports=reports, recorded=recorded, columns=layout.columns or None)
             write_json_atomic(dcp_manifest.manifest_file(folder), json.dumps(manifest, indent=2, sort_keys=True))
             return {"sha256": manifest["sha256"]}
 
@@ -201,10 +207,11 @@ class GuardedCheckpointManager(CheckpointManager):
     def _adopt(self, folder: Path, manifest: dict[str, Any]) -> None:
         """The verified checkpoint is this run's starting point: its step, what it was covered by,
         and — after torchtitan loaded it — each rank's shards against the digest the manifest records."""
+        from ..sharding import dcp_manifest
         from ..sharding.shard_weights import fingerprint_shards
         guard = self.guard
         layout = guard.layout.mesh
-        shard = layout.coordinates(layout.rank)["shard"]
+        shard = dcp_manifest.position(layout.coordinates(layout.rank), layout.shards)  # (TP, FSDP) position
         names, mine = self._model_report()
         ok = names == manifest["parameters"] and mine["digest"] == manifest["shards"][shard]["digest"]
         agree(guard, None if ok else f"sdcguard: the weights torchtitan loaded from {folder} are not those its "
@@ -227,6 +234,8 @@ class GuardedTrainer(Trainer):
                 self.checkpoint = GuardedCheckpointManager.Config(**values)
 
     def __init__(self, config: Config) -> None:
+        if config.sdcguard.enable:  # before torchtitan builds anything: a refusal costs no start-up
+            _refuse_unchecked(config)
         super().__init__(config)
         self.guard: Any = None
         self.injector: Any = None
@@ -317,22 +326,61 @@ def guarded(config: Trainer.Config, **settings: Any) -> GuardedTrainer.Config:
 
 # -- helpers -------------------------------------------------------------------------------------
 
+def _refuse_unchecked(config: GuardedTrainer.Config) -> None:
+    """Refuse, before torchtitan builds the model, a job whose parallelism sdcguard's sharded checks
+    do not cover (torchtitan's own ``ParallelDims`` resolves ``data_parallel_shard_degree=-1``)."""
+    from torchtitan.distributed import ParallelDims
+    dims = ParallelDims.from_config(config.parallelism, int(os.environ.get("WORLD_SIZE", "1")))
+    _raise_for(refusals(pp=dims.pp, cp=dims.cp, ep=dims.ep, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
+                        model_parts=1, spmd_backend=config.parallelism.spmd_backend))
+
+
 def _require_checkable(trainer: Trainer) -> None:
-    """Refuse, at start-up and with the reason, a torchtitan job whose parallelism sdcguard's
-    sharded checks do not cover."""
+    """The same, on what torchtitan built (its model parts too)."""
     dims = trainer.parallel_dims
+    _raise_for(refusals(pp=dims.pp, cp=dims.cp, ep=dims.ep, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
+                        model_parts=len(trainer.model_parts)))
+
+
+def _raise_for(problems: list[str]) -> None:
+    if problems:
+        raise ConfigurationError("sdcguard cannot check this torchtitan job: " + "; ".join(problems))
+
+
+def refusals(*, pp: int, cp: int, ep: int, dp_replicate: int, dp_shard: int, model_parts: int,
+             spmd_backend: str = "partial_dtensor") -> list[str]:
+    """Pure: why sdcguard cannot check a torchtitan job of these degrees (empty: it can), each
+    reason naming the setting. ``tensor_parallel_degree`` is not among them: TP under FSDP2/HSDP is
+    checked (``layouts/tensor_parallel.py``; the layout refuses a mesh whose replay ring does not
+    carry each TP group onto another)."""
     problems = []
-    for name, degree in (("pipeline_parallel_degree", dims.pp), ("tensor_parallel_degree", dims.tp),
-                         ("context_parallel_degree", dims.cp), ("expert_parallel_degree", dims.ep)):
-        if degree > 1:
-            problems.append(f"{name}={degree} (only data parallelism is checked)")
+    if pp > 1:
+        problems.append(f"parallelism.pipeline_parallel_degree={pp}: the adapter does not drive torchtitan's "
+                        "pipeline schedule yet (set it to 1)")
+    if cp > 1:
+        # a CP group computes one batch together (each rank a slice of the sequence, keys and values
+        # passed around the group by ring attention), like a TP group; but torchtitan folds cp into
+        # FSDP2's shard dimension (``fsdp``), so the mesh sdcguard reads shows CP ranks as data-parallel
+        # shards with batches of their own: no ring check, per-rank forward seeds, no group to name
+        problems.append(f"parallelism.context_parallel_degree={cp}: context parallelism is not checked (a CP group "
+                        "computes one batch together through ring attention, but torchtitan folds cp into FSDP2's "
+                        "shard dimension, where sdcguard would take its ranks for data-parallel shards with "
+                        "batches of their own; set it to 1)")
+    if ep > 1:
+        # the experts live on a mesh of their own (dp_replicate, efsdp, ep), and the all-to-all sends
+        # each rank's tokens to experts on ranks that hold other data-parallel batches
+        problems.append(f"parallelism.expert_parallel_degree={ep}: expert parallelism is not checked (the experts' "
+                        "parameters are sharded on a mesh of their own, (dp_replicate, efsdp, ep), and the token "
+                        "all-to-all mixes the batches of the EP group's data-parallel ranks; set it to 1)")
     # data_parallel_shard_degree=1 is checked too: torchtitan then applies fully_shard over a
     # (dp_replicate, 1) mesh, where FSDP2 copies each rank's gradient and all-reduces the copy
     # (sharding/reduce_record.py records the copy's input)
-    if dims.dp_shard * dims.dp_replicate < 2:
-        problems.append(f"data parallel degree {dims.dp_shard * dims.dp_replicate} (one data-parallel rank has "
-                        "no other to check it against)")
-    if len(trainer.model_parts) != 1:
-        problems.append(f"{len(trainer.model_parts)} model parts")
-    if problems:
-        raise ConfigurationError("sdcguard cannot check this torchtitan job: " + "; ".join(problems))
+    if spmd_backend == "full_dtensor":
+        problems.append('parallelism.spmd_backend="full_dtensor": the loss is then a DTensor over the whole mesh, '
+                        'which the step\'s records do not take (use "partial_dtensor", torchtitan\'s classic FSDP2 path)')
+    if dp_shard * dp_replicate < 2:
+        problems.append(f"data parallel degree {dp_shard * dp_replicate} (parallelism.data_parallel_replicate_degree "
+                        "x data_parallel_shard_degree; one data-parallel rank has no other to check it against)")
+    if model_parts != 1:
+        problems.append(f"{model_parts} model parts")
+    return problems

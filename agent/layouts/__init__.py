@@ -3,8 +3,9 @@
 :func:`build_layout` is the one place that looks at what kind of model it was given: DDP (or
 ``torch.compile`` of it) -> :class:`data_parallel.DataParallel`; a model sharded with FSDP2's
 ``fully_shard`` (pure FSDP or HSDP) -> :class:`fsdp.Sharded`, and with a tensor-parallel dimension
-(``parallelize_module`` first) -> :class:`tensor_parallel.TensorParallel`; a plain module in one
-process -> :class:`single.SingleProcess`. Everything after it talks to the protocol only.
+(``parallelize_module`` first) -> :class:`tensor_parallel.TensorParallel`; a pipeline schedule
+(``torch.distributed.pipelining``) whose stages DDP replicates -> :class:`pipeline.Pipeline`; a
+plain module in one process -> :class:`single.SingleProcess`. Everything after it talks to the protocol only.
 """
 from __future__ import annotations
 
@@ -18,18 +19,31 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..checks.commhook import ReduceHook
-from ..checks.topology import Topology, gather_topology, identity
+from ..checks.topology import Topology, gather_topology, identity, local_gpu
 from ..config import Config
 from .base import Layout, Scale, StepRecord, Vote
 
 __all__ = ["Layout", "Scale", "StepRecord", "Vote", "build_layout", "unwrap"]
 
 
-def build_layout(model: torch.nn.Module, *, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+def build_layout(model: torch.nn.Module, *, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None,
                  optimizer: torch.optim.Optimizer, scaler: Any, config: Config,
                  zero_update: Callable[[], contextlib.AbstractContextManager[None]],
                  reduce_hook: ReduceHook | None = None, reduce_state: Any = None) -> Layout:
     """The layout of the user's ``model`` (collective: the ranks exchange their identities)."""
+    from .pipeline import Pipeline, is_schedule
+    if is_schedule(model):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise TypeError("sdcguard: a pipeline schedule needs a process group")
+        if loss_fn is not None:
+            raise TypeError("sdcguard: a pipeline schedule computes its loss itself (its loss_fn): build the "
+                            "Guard without loss_fn")
+        device = _collective_device(None)
+        return Pipeline(schedule=model, topology=gather_topology(config, None, device), device=device,
+                        seed=config.seed, optimizer=optimizer, scaler=scaler, reduce_hook=reduce_hook,
+                        reduce_state=reduce_state)
+    if loss_fn is None:
+        raise TypeError("sdcguard: Guard needs loss_fn(module, micro_batch) (only a pipeline schedule brings its own)")
     ddp, module, compiled = unwrap(model)
     compiled = compiled or _compiles_inside(module)
     wrappers = _wrappers(model, module)
@@ -43,8 +57,10 @@ def build_layout(model: torch.nn.Module, *, loss_fn: Callable[[torch.nn.Module, 
         device = _collective_device(None)
         kind = TensorParallel if tensor_parallel_columns(module) is not None else Sharded
         return kind(model=module, compiled=compiled, loss_fn=loss_fn,
-                       topology=gather_topology(config, None, device), device=device, seed=config.seed,
-                       optimizer=optimizer, scaler=scaler, zero_update=zero_update)
+                       topology=gather_topology(config, None, device, param_device(module)), device=device,
+                       seed=config.seed,
+                       optimizer=optimizer, scaler=scaler, zero_update=zero_update,
+                       weight_check_every=config.weight_check_every)
     if ddp is not None:
         if any(hasattr(p, "device_mesh") for p in module.parameters()):
             raise TypeError("sdcguard: DistributedDataParallel over DTensor (tensor-parallel) parameters is not "
@@ -53,7 +69,8 @@ def build_layout(model: torch.nn.Module, *, loss_fn: Callable[[torch.nn.Module, 
         from .data_parallel import DataParallel
         device = _collective_device(ddp.process_group)
         return DataParallel(ddp=ddp, wrappers=wrappers, compiled=compiled, loss_fn=loss_fn,
-                            topology=gather_topology(config, ddp.process_group, device), device=device,
+                            topology=gather_topology(config, ddp.process_group, device, param_device(module)),
+                            device=device,
                             seed=config.seed, reduce_hook=reduce_hook, reduce_state=reduce_state,
                             optimizer=optimizer, scaler=scaler)
     if distributed and dist.get_world_size() > 1:
@@ -62,7 +79,8 @@ def build_layout(model: torch.nn.Module, *, loss_fn: Callable[[torch.nn.Module, 
     if reduce_hook is not None:
         raise TypeError("reduce_hook needs a DistributedDataParallel model")
     from .single import SingleProcess
-    topology = Topology(0, 1, 1, {0: identity(0, config.pod, config.node, config.pod_uid)},
+    topology = Topology(0, 1, 1, {0: identity(0, config.pod, config.node, config.pod_uid,
+                                              local_gpu(param_device(module), 0))},
                         run_id=uuid.uuid4().hex[:12], threads={0: torch.get_num_threads()})
     return SingleProcess(module=module, wrappers=wrappers, compiled=compiled, topology=topology,
                          device=param_device(module), optimizer=optimizer, scaler=scaler)

@@ -99,6 +99,10 @@ class Layout(Protocol):
 
     # -- recording a step ------------------------------------------------------------------------
 
+    def can_audit(self) -> bool:
+        """Whether the coming step can be replayed bit for bit (every rank answers alike): False
+        only where the framework makes one step irregular (a pipeline schedule's first step)."""
+
     def begin_step(self, step: int, audit: bool) -> None:
         """Forget the previous step's records; record fingerprints when ``audit``."""
 
@@ -161,6 +165,12 @@ class Layout(Protocol):
 
     def weights_agree(self, weights: WeightCheck) -> bool:
         """Collective: every replica holds the same weights (16 bytes)."""
+
+    def check_update(self, step: int) -> Verdict | None:
+        """Collective, asked only of a layout whose :meth:`fingerprint_weights` is None (no replica):
+        check 3's stand-in after ``step``'s update — pure FSDP re-runs each rank's optimizer update on
+        its ring neighbour on weight-check steps (``sharding/update_check.py``); None when it passed
+        or does not run."""
 
 
 _OK = bytes([1]) * 16

@@ -27,6 +27,7 @@ from ..sharding.reduce_record import ShardedRecorder
 from ..sharding.reduction_check import VoteCoefficients, localize_checksum, step_vote
 from ..sharding.replay import ShardedReplayer, labels, own_pass
 from ..sharding.shard_weights import fingerprint_shards, mesh_evidence, replicas_agree, shard_weights_verdict
+from ..sharding.update_check import UpdateCheck
 from .base import Scale, StepRecord, Vote, everywhere_finite, flag_token, raise_replay_failures
 from .stores import DcpStore
 
@@ -42,9 +43,11 @@ class Sharded:
 
     def __init__(self, *, model: torch.nn.Module, compiled: bool, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
                  topology: Topology, device: torch.device, seed: int, optimizer: torch.optim.Optimizer,
-                 scaler: Any, zero_update: Callable[[], contextlib.AbstractContextManager[None]]) -> None:
+                 scaler: Any, zero_update: Callable[[], contextlib.AbstractContextManager[None]],
+                 weight_check_every: int = 0) -> None:
         require_supported(model)
         self.mesh: ShardLayout = read_layout(model)
+        topology = self.ring(self.mesh, topology)
         self.check_mesh(self.mesh, topology)
         if self.mesh.shards == 1:  # FSDP2 copies instead of reduce-scattering: its order is relied on
             require_supported(model, single_shard=True)
@@ -66,6 +69,17 @@ class Sharded:
         self.store = DcpStore(model=model, optimizer=optimizer, scaler=scaler, named_parameters=self.named_parameters,
                               mesh=self.mesh, topology=topology, device=device, zero_update=zero_update)
         self._told_unchecked = False
+        self.update_check: UpdateCheck | None = None
+        """Pure FSDP: check 3's stand-in, the ring neighbour re-running each rank's update."""
+        if not self.mesh.hsdp and self.mesh.tp == 1 and self.mesh.world_size == topology.world_size:
+            self.update_check = UpdateCheck(optimizer=optimizer, named_parameters=self.named_parameters,
+                                            topology=topology, device=device, weight_check_every=weight_check_every)
+        self.checks_updates = self.update_check is not None and self.update_check.active
+        """Weight-check steps re-run every rank's optimizer update on its ring neighbour."""
+
+    def ring(self, mesh: ShardLayout, topology: Topology) -> Topology:
+        """The topology whose replay ring this layout audits with (a subclass's own ring)."""
+        return topology
 
     def check_mesh(self, mesh: ShardLayout, topology: Topology) -> None:
         """Refuse a mesh this layout cannot check (a subclass's own conditions)."""
@@ -79,12 +93,18 @@ class Sharded:
         plain = self.checks_reduction
         user_hook = bool(self.recorder.user_all_reduce_hooks)
         plan = plan_checks(self.mesh, reduce_scatter_checked=plain, all_reduce_checked=plain and not user_hook)
-        return [self.mesh.describe()] + plan.lines()
+        update = [self.update_check.plan_line()] if self.update_check is not None else []
+        return [self.mesh.describe()] + plan.lines() + update
 
     # -- recording -------------------------------------------------------------------------------
 
+    def can_audit(self) -> bool:
+        return True
+
     def begin_step(self, step: int, audit: bool) -> None:
         self.recorder.begin_step(step, audit)
+        if self.update_check is not None:
+            self.update_check.begin_step(step)
 
     @contextlib.contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:
@@ -178,4 +198,9 @@ class Sharded:
 
     def weights_agree(self, weights: WeightCheck) -> bool:
         return replicas_agree(weights, self.device, self.replicate_group)
+
+    def check_update(self, step: int) -> Verdict | None:
+        """Pure FSDP, weight-check steps: every rank's update re-run by its ring neighbour (collective)."""
+        verdict = self.update_check.check(step) if self.update_check is not None else None
+        return self._named_groups(verdict) if verdict is not None else None
 

@@ -39,6 +39,9 @@ class SingleProcess:
         return ["a single replica: only the local non-finite check runs (no replay audit, no weight "
                 "comparison), and a NaN/Inf cannot be confirmed as the hardware's"]
 
+    def can_audit(self) -> bool:
+        return True
+
     def begin_step(self, step: int, audit: bool) -> None:
         pass
 
@@ -93,6 +96,9 @@ class SingleProcess:
     def replay_verdict(self, own: PassResult, replayed: PassResult | None, digests: list[list[bytes]],
                        payload: Payload, scale: Scale) -> Verdict | None:
         raise _no_peers()
+
+    def check_update(self, step: int) -> Verdict | None:
+        return None  # fingerprint_weights is never None here: check 3 itself runs
 
 
 def _no_peers() -> RuntimeError:

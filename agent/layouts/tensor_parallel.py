@@ -20,6 +20,7 @@ or all-gathered inside the forward and the backward). What the checks need follo
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..checks.topology import Topology
@@ -29,6 +30,9 @@ from .fsdp import Sharded
 
 class TensorParallel(Sharded):
     """The :class:`~sdcguard.layouts.base.Layout` of an FSDP2/HSDP model with a tensor-parallel dimension."""
+
+    def ring(self, mesh: ShardLayout, topology: Topology) -> Topology:
+        return tp_ring(mesh, topology)
 
     def check_mesh(self, mesh: ShardLayout, topology: Topology) -> None:
         refusal = ring_refusal(mesh, topology)
@@ -52,17 +56,29 @@ class TensorParallel(Sharded):
         return {**super().where(rank), "tp_group": group, "tp_group_nodes": nodes}
 
 
+def tp_ring(mesh: ShardLayout, topology: Topology) -> Topology:
+    """Pure: on one node the default ring reaches the next GPU, which shares its rank's TP group;
+    there a rank replays the batch of the same TP rank of the next group (``r + tp``) instead.
+    Across nodes the default ring (same local index, next node) stands."""
+    if topology.nodes >= 2 or mesh.tp < 2 or topology.world_size <= mesh.tp:
+        return topology
+    world = topology.world_size
+    return dataclasses.replace(topology, ring=tuple((r + mesh.tp) % world for r in range(world)))
+
+
 def ring_refusal(mesh: ShardLayout, topology: Topology) -> str | None:
     """Pure: why the replay ring cannot audit this mesh, or None. Rank ``r`` replays the batch of
-    ``r + offset`` (the next node, same local index); a TP group computes one batch together, so
-    the ring must carry each TP group onto another, rank ``k`` onto rank ``k``."""
-    world, offset = topology.world_size, topology.ring_offset
+    ``topology.replay_target(r)`` (the same local index on the next node; on one node, see
+    :func:`tp_ring`); a TP group computes one batch together, so the ring must carry each TP group
+    onto another, rank ``k`` onto rank ``k``."""
+    world = topology.world_size
     if world != mesh.world_size:
         return f"the mesh holds {mesh.world_size} ranks, the job {world}"
     for rank in range(world):
         group = mesh.tp_group(rank)
-        target = [(r + offset) % world for r in group]
-        if mesh.tp_group(target[0]) != target:
+        target = [topology.replay_target(r) for r in group]
+        offset = (target[0] - group[0]) % world
+        if mesh.tp_group(target[0]) != target or target == group:
             return (f"the replay ring (rank r replays rank r + {offset}'s batch) does not carry tensor-parallel "
                     f"group {group} onto another group rank for rank: lay each TP group out on consecutive ranks "
                     "(TP the fastest mesh dimension, as torchtitan does) and within a node (ranks_per_node a "

@@ -29,7 +29,9 @@ Fixed here, server-side, because kmock 0.8 lacks them (see ../shared/TOOLING.md)
 ``apiVersion`` filled in; a new ``resourceVersion`` on every change,
 and optimistic concurrency on it: a patch carrying a stale ``metadata.resourceVersion`` answers
 409 Conflict (a JSON-patch ``test`` of a stale one answers 422, as kopf expects); core discovery says ``v1``;
-lists carry ``kind``/``apiVersion``; watch streams are served as JSON lines.
+lists carry ``kind``/``apiVersion``; watch streams are served as JSON lines; a strategic-merge patch
+merges the lists the API gives a merge key (a node's or pod's ``status.conditions``, by ``type``:
+``MERGE_KEYS``) instead of replacing them (kmock treats every patch as a merge patch).
 Added: server-side printing (``kubectl get`` shows the printer columns of deploy/crds; printing.py);
 equality field/label selectors on list and watch, as a real API server applies them; object requests
 are served straight from the store (kmock's reaction matching costs time proportional to all past
@@ -220,6 +222,7 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
             return self._review_access(request)
         if request.action == enums.action.UPDATE and request.resource is not None:
             self._precondition(request)
+            self._strategic(request)
         if request.resource is not None and request.subresource is None and \
                 request.action in (enums.action.CREATE, enums.action.UPDATE) and \
                 str(request.resource.plural) in ("configmaps", "secrets") and not request.resource.group:
@@ -419,6 +422,22 @@ class FixedKubernetesEmulator(kmock.KubernetesEmulator, _DirectDispatch):
                                                 message=f"resourceVersion {op.get('value')} is stale ({current})")
             request.data.append({"op": "add", "path": "/metadata/resourceVersion", "value": version})
 
+    def _strategic(self, request: rendering.Request) -> None:
+        """A strategic-merge patch (what the official client sends for a dict body, and what kubelet
+        and node-problem-detector send for node conditions) as the API server applies it: the lists
+        of ``MERGE_KEYS`` merge by key, the rest as a merge patch. Stored as the equivalent JSON patch."""
+        assert request.resource is not None
+        keys = MERGE_KEYS.get(str(request.resource.plural))
+        content = {k.lower(): v for k, v in request.headers.items()}.get("content-type", "")
+        if keys is None or not isinstance(request.data, dict) or "strategic-merge-patch" not in content:
+            return
+        stored = self._objects._objects.get((request.resource, request.namespace, request.name))
+        if stored is None or stored.deleted:
+            return
+        old = copy.deepcopy(dict(stored.raw))
+        patch = {k: v for k, v in request.data.items() if k != "metadata" or set(v or {}) - {"resourceVersion"}}
+        object.__setattr__(request, "data", jsonpatch.make_patch(old, strategic_merge(old, patch, keys)).patch)
+
     def _precondition(self, request: rendering.Request) -> None:
         """409 Conflict for a patch whose ``metadata.resourceVersion`` is not the stored one
         (checked before admission, which may rewrite the patch)."""
@@ -517,6 +536,37 @@ def _field(obj: dict[str, Any], path: str) -> Any:
 
 def _label(obj: dict[str, Any], key: str) -> Any:
     return ((obj.get("metadata") or {}).get("labels") or {}).get(key)
+
+
+MERGE_KEYS: dict[str, dict[tuple[str, ...], str]] = {
+    "nodes": {("status", "conditions"): "type"},
+    "pods": {("status", "conditions"): "type"},
+}
+"""plural -> (path of a list -> its ``patchMergeKey``), as the core API's types declare them."""
+
+
+def strategic_merge(target: Any, patch: Any, keys: dict[tuple[str, ...], str], path: tuple[str, ...] = ()) -> Any:
+    """``patch`` applied to ``target`` as a strategic merge: a merge patch, except that a list at a
+    path of ``keys`` merges element by element on that key (``$patch`` directives are not emulated)."""
+    if not isinstance(patch, dict):
+        return patch
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        here = (*path, key)
+        if value is None:
+            result.pop(key, None)
+        elif here in keys and isinstance(value, list):
+            merged = [dict(e) for e in result.get(key) or [] if isinstance(e, dict)]
+            for item in value:
+                at = next((i for i, e in enumerate(merged) if e.get(keys[here]) == item.get(keys[here])), None)
+                if at is None:
+                    merged.append(item)
+                else:
+                    merged[at] = strategic_merge(merged[at], item, {})
+            result[key] = merged
+        else:
+            result[key] = strategic_merge(result.get(key), value, keys, here)
+    return result
 
 
 def _now() -> str:

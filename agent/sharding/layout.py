@@ -203,7 +203,8 @@ def read_layout(model: torch.nn.Module) -> ShardLayout:
         layout = layout_of(seen[0], rank)
     else:
         layout = columns_layout(columns, rank)
-        if [list(row) for row in layout.grid] != seen[0]:
+        rows = seen[0] if seen[0] and isinstance(seen[0][0], list) else [seen[0]]  # a 1-D FSDP mesh: one replica
+        if [list(row) for row in layout.grid] != rows:
             raise TypeError(f"sdcguard: the tensor-parallel mesh {columns!r} does not hold FSDP2's mesh {seen[0]!r} "
                             "as this rank's column")
     if layout.world_size < 2:
@@ -221,11 +222,13 @@ def tensor_parallel_columns(model: torch.nn.Module) -> list[list[list[int]]] | N
     for path, _, group in param_groups(model):
         info = group.mesh_info
         fsdp_names = info.mesh.mesh_dim_names
+        _refuse_unchecked_dims(f"fully_shard({path or 'root'})", info.mesh)
         for fsdp_param in group.fsdp_params:
             mesh = getattr(fsdp_param.sharded_param, "device_mesh", None)
             if mesh is None or mesh.ndim == info.mesh.ndim:
                 continue
             names = mesh.mesh_dim_names
+            _refuse_unchecked_dims(f"{path or 'root'}'s parameters", mesh)
             if names is None or fsdp_names is None:
                 raise TypeError(f"sdcguard: fully_shard({path or 'root'}): name the device mesh's dimensions "
                                 "(init_device_mesh(..., mesh_dim_names=...)) so the tensor-parallel one can be told apart")
@@ -244,6 +247,48 @@ def tensor_parallel_columns(model: torch.nn.Module) -> list[list[list[int]]] | N
                                 "other layers")
             found = columns
     return found
+
+
+UNCHECKED_DIMS = {"cp": "context parallelism", "context_parallel": "context parallelism",
+                  "ep": "expert parallelism", "expert_parallel": "expert parallelism"}
+"""Mesh dimension names (torchtitan's, and spelled out) of parallelisms sdcguard does not check."""
+
+
+def unchecked_dim(names: tuple[str, ...] | None, sizes: dict[str, int] | None = None) -> str | None:
+    """Pure: why a device mesh with these dimension names is not checked, or None. A context-parallel
+    group splits one batch's sequence and exchanges keys and values (ring attention); an
+    expert-parallel group sends several data-parallel ranks' tokens to each other's experts
+    (all-to-all). sdcguard would take their ranks for data-parallel shards with batches of their
+    own, or for a tensor-parallel group; its replay ring and attribution model neither. A name
+    counts alone or flattened into another (``dp_shard_cp``, older torchtitan's FSDP dimension).
+    ``sizes``: the root mesh's dimension sizes, where known: a CP or EP dimension of size 1 (older
+    torchtitan names its FSDP dimension ``dp_shard_cp`` even without context parallelism) is
+    nothing to refuse; without sizes a name is refused."""
+    sizes = sizes or {}
+    for name in names or ():
+        parts = [name] if name in UNCHECKED_DIMS else [p for p in name.split("_") if p in UNCHECKED_DIMS]
+        parts = [p for p in parts if sizes.get(p, 2) > 1]  # a size not known: refused
+        what = UNCHECKED_DIMS[parts[0]] if parts else None
+        if what is not None:
+            return (f"the device mesh dimension {name!r} ({what}) is not checked: its ranks compute together (ring "
+                    "attention's key/value exchange, the experts' token all-to-all), which sdcguard's replay ring "
+                    "and attribution do not model; checked are FSDP2/HSDP dimensions and one tensor-parallel one")
+    return None
+
+
+def _refuse_unchecked_dims(where: str, mesh: Any) -> None:
+    why = unchecked_dim(mesh.mesh_dim_names, _root_sizes(mesh))
+    if why is not None:
+        raise TypeError(f"sdcguard: {where}: {why}")
+
+
+def _root_sizes(mesh: Any) -> dict[str, int]:
+    """Every named dimension's size in ``mesh`` and in the root mesh it was sliced or flattened from."""
+    sizes: dict[str, int] = {}
+    for m in (getattr(mesh, "_get_root_mesh", lambda: None)(), mesh):
+        if m is not None and m.mesh_dim_names:
+            sizes.update(zip(m.mesh_dim_names, m.mesh.shape))
+    return sizes
 
 
 def columns_layout(columns: list[list[list[int]]], rank: int) -> ShardLayout:

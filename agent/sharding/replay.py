@@ -47,7 +47,7 @@ from ..checks.audit import Confirmation, Replayer, judge_confirmation
 from ..checks.exchange import _from_bytes, broadcast_digest, gather_tensor, ring_exchange, serialize, wait
 from ..checks.replay import PassResult, Payload, _replay_mode, load_buffers, snapshot_buffers
 from ..checks.rng import forward_seed, seeded
-from ..fingerprint import Fingerprint, fingerprint, to_fingerprints
+from ..fingerprint import Fingerprint, fingerprint_sums, to_fingerprints
 from .reduce_record import Reduction, ReplayTrace, ShardedRecorder
 
 Scale = Callable[[torch.Tensor], torch.Tensor] | None
@@ -79,8 +79,7 @@ def replay_sharded(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, A
     once, each with its own payload); the real step's gradients and FSDP2 state are left as they were."""
     pattern = recorder.sync_pattern()
     units = len(recorder.units)
-    losses: list[Fingerprint] = []
-    loss_finite: list[bool] = []
+    losses: list[torch.Tensor] = []
     trace = ReplayTrace()
     with _isolated(model, recorder, trace):
         for i, micro in enumerate(payload.micro_batches):
@@ -94,14 +93,18 @@ def replay_sharded(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, A
             weighting = payload.weighting[i] if payload.weighting else None
             scaled = weighting.apply(loss) if weighting is not None else loss
             (scale(scaled) if scale is not None else scaled).backward()
-            losses.append(fingerprint(loss.detach()))
-            loss_finite.append(bool(torch.isfinite(loss.detach()).all()))
-    fps = to_fingerprints(torch.stack([c[2] for c in trace.calls])) if trace.calls else []
-    result = PassResult(losses, {pass_key(u, m, units): fp for (u, m, _, _), fp in zip(trace.calls, fps)})
+            losses.append(loss.detach())
+    # Every local input's sums and the losses' in one read to the host for the whole pass.
+    sums = [c[2] for c in trace.calls]
+    if losses:
+        sums += list(fingerprint_sums(losses))
+    every = to_fingerprints(torch.stack(sums)) if sums else []
+    fps, loss_fps = every[:len(trace.calls)], every[len(trace.calls):]
+    result = PassResult(loss_fps, {pass_key(u, m, units): fp for (u, m, _, _), fp in zip(trace.calls, fps)})
     if with_norm:
         sq = torch.stack([c[3] for c in trace.calls]).sum() if trace.calls else torch.zeros((), dtype=torch.float64)
         result.grad_sq_norm = float(sq)
-        result.nonfinite_micro = _first_nonfinite(trace, loss_finite)
+        result.nonfinite_micro = _first_nonfinite(trace, [bool(torch.isfinite(loss).all()) for loss in losses])
     return result
 
 

@@ -87,6 +87,23 @@ class RankStatsCollector(Collector):
         last_step = GaugeMetricFamily("sdcguard_last_step", "Last step a rank ran", labels=["rank"])
         verified = GaugeMetricFamily(
             "sdcguard_last_verified_step", "Last step whose checks all passed", labels=["rank"])
+        # The cost of checking, as each rank measured it while training (the statistics' ``cost``).
+        premium = GaugeMetricFamily(
+            "sdcguard_check_premium_ratio",
+            "What each kind of check (ordinary, audit, weights) adds to the run, as a fraction of a step "
+            "without sdcguard, measured on each rank", labels=["rank", "kind"])
+        premium_seconds = GaugeMetricFamily(
+            "sdcguard_check_premium_seconds",
+            "Seconds each kind of check has added to the run on each rank so far (one rank is one GPU: "
+            "summed over ranks, GPU-seconds)", labels=["rank", "kind"])
+        step_time = GaugeMetricFamily(
+            "sdcguard_step_time_seconds", "A training step without sdcguard's checks (median, measured)",
+            labels=["rank"])
+        checked_step = GaugeMetricFamily(
+            "sdcguard_checked_step_seconds", "A training step with sdcguard's checks (measured)", labels=["rank"])
+        interval = GaugeMetricFamily(
+            "sdcguard_audit_interval", "Steps between audits now (fixed, or chosen by the integrity budget; "
+            "0: no audits)", labels=["rank"])
         for data in self.read():
             rank = str(data["rank"])
             for check, entry in sorted((data.get("checks") or {}).items()):
@@ -98,7 +115,18 @@ class RankStatsCollector(Collector):
                 last_step.add_metric([rank], float(data["last_step"]))
             if data.get("last_verified_step") is not None:
                 verified.add_metric([rank], float(data["last_verified_step"]))
-        yield from (runs, seconds, steps, alarms, last_step, verified)
+            cost = data.get("cost")
+            if isinstance(cost, dict):
+                for kind, entry in sorted((cost.get("checks") or {}).items()):
+                    premium.add_metric([rank, kind], float(entry.get("premium") or 0.0))
+                    premium_seconds.add_metric([rank, kind], float(entry.get("seconds") or 0.0))
+                step_time.add_metric([rank], float(cost.get("step_time_s") or 0.0))
+                checked_step.add_metric([rank], float(cost.get("checked_step_s") or 0.0))
+            schedule = data.get("audit_schedule")
+            if isinstance(schedule, dict) and isinstance(schedule.get("interval"), int):
+                interval.add_metric([rank], float(schedule["interval"]))
+        yield from (runs, seconds, steps, alarms, last_step, verified, premium, premium_seconds, step_time,
+                    checked_step, interval)
 
 
 class HealthState:

@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry
 from ..contract import alarm as _alarm
 from ..contract import events
 from ..contract import names
+from ..contract import resume as _resume
 from ..contract import spool
 from .metrics import HealthState, PublisherMetrics, RankStatsCollector, serve
 from .signing import AlarmKey
@@ -119,7 +120,7 @@ class KubeEventSink:
         return dict(event.metadata.annotations or {})
 
 
-SIGNED = (names.ALARM_ANNOTATION, names.ALARM_SIGNATURE_ANNOTATION)
+SIGNED = (names.ALARM_ANNOTATION, names.RESUME_ANNOTATION, names.ALARM_SIGNATURE_ANNOTATION)
 FRESH_NAME_TRIES = 3
 
 
@@ -130,8 +131,8 @@ def fresh_name(body: dict[str, Any], attempt: int) -> str:
     import hashlib
 
     annotations = body["metadata"]["annotations"]
-    digest = hashlib.sha256((annotations.get(names.ALARM_SIGNATURE_ANNOTATION) or
-                             annotations[names.ALARM_ANNOTATION]).encode()).hexdigest()[:12]
+    digest = hashlib.sha256((annotations.get(names.ALARM_SIGNATURE_ANNOTATION) or annotations.get(names.ALARM_ANNOTATION)
+                             or annotations.get(names.RESUME_ANNOTATION) or "").encode()).hexdigest()[:12]
     suffix = digest if attempt == 1 else f"{digest[:6]}{random.getrandbits(32):08x}"
     return f"{body['metadata']['name'][:253 - len(suffix) - 1]}-{suffix}"
 
@@ -169,7 +170,7 @@ class Publisher:
     def run_once(self) -> bool:
         """Publish what the spool holds; False when the API server failed us or there is no key
         to sign with (back off)."""
-        paths = spool.list_alarms(self.spool)
+        paths = spool.list_records(self.spool)
         self.metrics.backlog.set(len(paths))
         if not paths:
             return True
@@ -195,7 +196,8 @@ class Publisher:
                 log.warning("sdcguard sidecar: cannot publish %s yet (%s); it stays in the spool", path.name, exc)
                 return False
             if created:
-                self.metrics.published.labels(body["metadata"]["labels"][names.CHECK_LABEL]).inc()
+                self.metrics.published.labels((body["metadata"].get("labels") or {}).get(names.CHECK_LABEL)
+                                              or "resume").inc()
                 self.metrics.last_success.set(time.time())
                 log.info("sdcguard sidecar: published %s as Event %s/%s", path.name,
                          body["metadata"]["namespace"], body["metadata"]["name"])
@@ -208,7 +210,7 @@ class Publisher:
         return True
 
     def backlog(self) -> int:
-        return len(spool.list_alarms(self.spool))
+        return len(spool.list_records(self.spool))
 
     def _publish(self, body: dict[str, Any]) -> bool:
         """Create the Event; on 409 read the one of that name: if it carries this very alarm and
@@ -242,6 +244,9 @@ class Publisher:
             log.warning("sdcguard sidecar: cannot read %s (%s); skipping it this pass", path.name, exc)
             return None
         try:
+            if path.name.endswith(spool.RESUME_SUFFIX):  # a run started from a checkpoint (contract/resume.py)
+                return events.build_resume_event(_resume.loads(raw), fallback_pod=self.identity.pod,
+                                                 host=self.identity.node, key=key)
             record = _alarm.loads(raw)
             return events.build_event(record, fallback_namespace=self.identity.namespace,
                                       fallback_pod=self.identity.pod, host=self.identity.node, key=key)
@@ -374,6 +379,9 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     spool_dir = Path(args.spool)
     spool_dir.mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()  # before /healthz answers: a SIGTERM from then on is a drain, never a plain kill
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     registry = CollectorRegistry()
     metrics = PublisherMetrics(registry)
     registry.register(RankStatsCollector(spool_dir))
@@ -382,9 +390,6 @@ def main(argv: list[str]) -> int:
     sink = KubeEventSink(args.kubeconfig)
     publisher = Publisher(spool_dir, sink, Identity.from_env(os.environ), metrics, AlarmKey(args.key_file),
                           allow_unsigned=args.allow_unsigned, settle=args.settle)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     log.info("sdcguard sidecar: watching %s, metrics on %s:%d", spool_dir, args.metrics_host, server.server_port)
     drain = max(1.0, args.grace_period - GRACE_MARGIN) if args.grace_period is not None else args.drain
     run(publisher, health, stop, args.poll_interval, Backoff(args.backoff_initial, args.backoff_max), drain)

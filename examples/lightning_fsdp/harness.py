@@ -25,6 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--accumulate", type=int, default=2, help="accumulate_grad_batches")
     add("--clip", type=float, default=1.0, help="gradient_clip_val; 0: off")
     add("--replicate", type=int, default=1, help="HSDP replicas (1: pure FSDP over every rank)")
+    add("--tp", type=int, default=1, help="tensor_parallel_size (ModelParallelStrategy; 1: none)")
     add("--lr", type=float, default=1e-2)
     add("--seed", type=int, default=7, help="model initialisation seed (the same on every rank)")
     add("--out", default="out-lightning-fsdp", help="checkpoints and per-rank result files")

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 
 class ShardedClassifier(L.LightningModule):
@@ -25,9 +26,15 @@ class ShardedClassifier(L.LightningModule):
 
     def configure_model(self) -> None:
         mesh = self.device_mesh["data_parallel"]
+        tp = self.device_mesh["tensor_parallel"]
+        if tp.size() > 1:  # tensor_parallel_size > 1: the second hidden layer column-wise, the head row-wise
+            parallelize_module(self.model, tp, {"3": ColwiseParallel(), "5": RowwiseParallel()})
         if self.replicate > 1:  # HSDP: (replicate, shard) over the same ranks
-            mesh = init_device_mesh(mesh.device_type, (self.replicate, mesh.size() // self.replicate),
-                                    mesh_dim_names=("replicate", "shard"))
+            shape, names = (self.replicate, mesh.size() // self.replicate), ("replicate", "shard")
+            if tp.size() > 1:  # the same TP groups (Lightning's fastest dimension) inside a 3-D mesh
+                shape, names = (*shape, tp.size()), (*names, "tensor_parallel")
+            mesh = init_device_mesh(mesh.device_type, shape, mesh_dim_names=names)
+            mesh = mesh["replicate", "shard"] if tp.size() > 1 else mesh
         for layer in (self.model[0], self.model[3], self.model[5]):
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)  # the root last: the LayerNorm's parameters

@@ -32,7 +32,8 @@ checkpoints = ModelCheckpoint(dirpath=os.path.join(args.out, "checkpoints"), sav
 config = sdcguard.Config.from_env(audit_every=args.audit_every, weight_check_every=args.weight_check_every)
 trainer = L.Trainer(
     accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-    strategy=sdcguard.integrations.lightning.GuardedModelParallelStrategy(config, expect_step=args.expect_step, expect_sha256=args.expect_sha256),
+    strategy=sdcguard.integrations.lightning.GuardedModelParallelStrategy(config, expect_step=args.expect_step, expect_sha256=args.expect_sha256,
+                                   tensor_parallel_size=args.tp),
     max_epochs=args.epochs, accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip or None,
     callbacks=[checkpoints, *callbacks(args)],
     logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=args.out,

@@ -27,7 +27,8 @@ data = RandomData(args.samples, args.batch_size)
 checkpoints = ModelCheckpoint(dirpath=os.path.join(args.out, "checkpoints"), save_last=args.save_last)
 trainer = L.Trainer(
     accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-    strategy=ModelParallelStrategy(data_parallel_size=int(os.environ.get("WORLD_SIZE", "1")), tensor_parallel_size=1),
+    strategy=ModelParallelStrategy(data_parallel_size=int(os.environ.get("WORLD_SIZE", "1")) // args.tp,
+                                   tensor_parallel_size=args.tp),
     max_epochs=args.epochs, accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip or None,
     callbacks=[checkpoints, *callbacks(args)],
     logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=args.out,

@@ -15,6 +15,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add = p.add_argument
     add("--replicate", type=int, default=2, help="data_parallel_replicate_degree")
     add("--shard", type=int, default=2, help="data_parallel_shard_degree")
+    add("--tp", type=int, default=1, help="tensor_parallel_degree (the fastest mesh dimension)")
     add("--steps", type=int, default=6)
     add("--accum", type=int, default=2, help="gradient accumulation steps (global_batch_size / local / dp)")
     add("--batch-size", type=int, default=2, help="local_batch_size")
@@ -31,6 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--out", default="out-torchtitan", help="dump_folder: checkpoints and per-rank result files")
     add("--audit-every", type=int, default=3, help="sdcguard: replay audit every N steps (SDCGUARD_* wins)")
     add("--weight-check-every", type=int, default=1, help="sdcguard: weight check every N steps")
+    add("--ranks-per-node", type=int, default=None,
+        help="sdcguard: SDCGUARD_RANKS_PER_NODE (one machine posing as nodes of this many ranks: the replay ring "
+             "then carries each tensor-parallel group onto the next)")
     add("--inject", action="append", default=[], metavar="SPEC", help="sdcguard: a fault to plant (train.py)")
     add("--keep-going", action="store_true", help="tests: after a step raises an alarm, record it and go on")
     return p.parse_args(argv)
@@ -38,7 +42,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def sdcguard_section(args: argparse.Namespace) -> Any:
     """The ``sdcguard`` section of the job config from the flags (faults only for tests)."""
+    import os
+
     from sdcguard.integrations.torchtitan import SDCGuardConfig
+    if args.ranks_per_node is not None:  # the variable the operator's webhook sets on a real node
+        os.environ["SDCGUARD_RANKS_PER_NODE"] = str(args.ranks_per_node)
     return SDCGuardConfig(audit_every=args.audit_every, weight_check_every=args.weight_check_every,
                           inject=list(args.inject))
 

@@ -168,7 +168,7 @@ def parallelize_on_gloo(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Modul
 def tiny_config(args: Any, config_class: type = Trainer.Config, **extra: Any) -> Any:
     """A tiny torchtitan job from the example's flags: float32 weights (parameters in float32 or,
     with ``--mixed-precision-param bfloat16``, bfloat16 in forward and backward), compile off, the mesh
-    from ``--replicate`` / ``--shard``, accumulation through ``global_batch_size``."""
+    from ``--replicate`` / ``--shard`` / ``--tp``, accumulation through ``global_batch_size``."""
     dp = args.replicate * args.shard
     return config_class(
         model_spec=tiny_llama3(),
@@ -184,7 +184,8 @@ def tiny_config(args: Any, config_class: type = Trainer.Config, **extra: Any) ->
                                 seq_len=args.seq_len, steps=args.steps, max_norm=args.max_norm, dtype="float32",
                                 mixed_precision_param=args.mixed_precision_param, disable_cuda_graphs=True, gc_freq=1000),
         parallelism=ParallelismConfig(data_parallel_replicate_degree=args.replicate,
-                                      data_parallel_shard_degree=args.shard, spmd_backend=args.spmd_backend,
+                                      data_parallel_shard_degree=args.shard, tensor_parallel_degree=args.tp,
+                                      spmd_backend=args.spmd_backend,
                                       fsdp_reshard_after_forward=os.environ.get("TT_RESHARD", "default")),
         compile=CompileConfig(enable=args.compile),
         metrics=MetricsProcessor.Config(log_freq=1),
