@@ -74,8 +74,8 @@ def validate(record: Any) -> dict[str, Any]:
     return record
 
 
-def dumps(record: Mapping[str, Any]) -> str:
-    return json.dumps(record, sort_keys=True, allow_nan=False)
+dumps = _alarm.dumps
+"""Strict JSON, as an alarm record is written."""
 
 
 def loads(text: str | bytes) -> dict[str, Any]:
@@ -86,5 +86,4 @@ def loads(text: str | bytes) -> dict[str, Any]:
     return validate(record)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+_is_int = _alarm._is_int
