@@ -183,6 +183,23 @@ def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module,
     return state
 
 
+def read_verified_state(path: str | os.PathLike[str], *, map_location: Any = "cpu", expect_step: int | None = None,
+                        expect_sha256: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(state, manifest)`` of a checkpoint file whose bytes, step and weights match its manifest
+    (and what an alarm named), read with ``weights_only=True``, before anything is loaded into a
+    model: for a caller that loads the state its own way (a sharded pipeline stage)."""
+    path = Path(path)
+    manifest = read_manifest(path, expect_step=expect_step, expect_sha256=expect_sha256)
+    if "parameters" not in manifest:
+        raise CheckpointError(f"manifest {manifest_path(path)} lists no parameters")
+    state = _verified_state(path, manifest, map_location, True)
+    key = manifest.get("model_key", "model")
+    found = state_digest(state, key, manifest["parameters"], where=str(path))
+    if found != manifest["weight_digest"]:
+        raise CheckpointError(f"{path}: its weights have digest {found}, manifest says {manifest['weight_digest']}")
+    return state, manifest
+
+
 @dataclass(frozen=True, slots=True)
 class Verification:
     path: str

@@ -6,6 +6,7 @@ import argparse
 import importlib
 import sys
 from pathlib import Path
+from typing import Any
 
 from .child_process import stop_on_sigterm
 from .drill import launch as drill
@@ -40,15 +41,19 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter))
     verify = sub.add_parser("verify-checkpoint", help="check a checkpoint against its manifest (exit 0 good, 1 mismatch, 2 bad input)",
                             description="Check a checkpoint file against its manifest (PATH.sdcguard.json), a "
-                                        "sharded model's DCP directory, or a Hugging Face Trainer checkpoint-N "
+                                        "sharded model's DCP directory, a pipeline's directory (pipeline.json and "
+                                        "stage-P.pt per position), or a Hugging Face Trainer checkpoint-N "
                                         "folder (sdcguard-trainer.json) against the manifest inside it: its bytes, "
-                                        "its weights (each shard's fingerprint) and, with --step / --sha256, that it "
-                                        "is the checkpoint an alarm named (last_good_checkpoint_step / "
-                                        "last_good_checkpoint_sha256).")
+                                        "its weights (each shard's or stage's fingerprint) and, with --step / "
+                                        "--sha256, that it is the checkpoint an alarm named "
+                                        "(last_good_checkpoint_step / last_good_checkpoint_sha256; for a pipeline, "
+                                        "the SHA-256 of pipeline.json).")
     verify.add_argument("path", type=Path, help="the checkpoint file (its manifest is PATH.sdcguard.json), the "
-                                                "directory of a sharded checkpoint, or a checkpoint-N folder")
+                                                "directory of a sharded or pipeline checkpoint, or a checkpoint-N "
+                                                "folder")
     verify.add_argument("--step", type=int, help="the step the alarm named: refuse a file that holds another")
-    verify.add_argument("--sha256", help="the SHA-256 the alarm named: refuse a file with other bytes")
+    verify.add_argument("--sha256", help="the SHA-256 the alarm named: refuse a file with other bytes (a "
+                                          "pipeline's directory: the SHA-256 of its pipeline.json)")
     verify.add_argument("--allow-global", action="append", default=[], metavar="MODULE.NAME",
                         help="a class the file may hold besides tensors and plain values (e.g. pathlib.PosixPath "
                              "among Lightning hyperparameters): built by torch.load(weights_only=True); repeatable. "
@@ -77,34 +82,55 @@ def _verify_checkpoint(path: Path, step: int | None, sha256: str | None, allow: 
     """For the person deciding where to resume: no process group, no model needed."""
     if path.is_dir():
         from .checkpoint_folder import is_checkpoint_folder
+        from .layouts.pipeline_store import is_pipeline_checkpoint
         if is_checkpoint_folder(path):
             return _verify_folder(path, step, sha256)
+        if is_pipeline_checkpoint(path):
+            return _verify_pipeline(path, step, sha256, allow)
         return _verify_sharded_checkpoint(path, step, sha256)
     if not path.is_file():
         print(f"sdcguard verify-checkpoint: error: {path} is not a file", file=sys.stderr)
         return 2
-    from .checkpoint import CheckpointError, UnsafeGlobals, manifest_path, verify_checkpoint
+    from .checkpoint import manifest_path, verify_checkpoint
     if not manifest_path(path).is_file():
         print(f"sdcguard verify-checkpoint: error: {path} has no manifest {manifest_path(path).name}", file=sys.stderr)
         return 2
+    found, code = _verified(verify_checkpoint, path, step, sha256, allow)
+    if found is None:
+        return code
+    print(f"OK {found.path}: step {found.step}, {found.parameters} parameters, weight digest {found.weight_digest}, "
+          f"sha256 {found.sha256}, {_coverage(found.audited, found.audited_step)}")
+    return 0
+
+
+def _verified(verify: Any, path: Path, step: int | None, sha256: str | None, allow: list[str]) -> tuple[Any, int]:
+    """``(what verify found, 0)``, or ``(None, exit code)`` said on stdout (a mismatch: 1) or stderr (2)."""
+    from .checkpoint import CheckpointError, UnsafeGlobals
+    allowed = _allowed_classes(allow)
+    if allowed is None:
+        return None, 2
     try:
-        allowed = [_allowed_class(name) for name in allow]
-    except (ImportError, AttributeError, ValueError) as exc:
-        print(f"sdcguard verify-checkpoint: error: --allow-global: {exc}", file=sys.stderr)
-        return 2
-    try:
-        found = verify_checkpoint(path, expect_step=step, expect_sha256=sha256, allow_globals=allowed)
+        return verify(path, expect_step=step, expect_sha256=sha256, allow_globals=allowed), 0
     except UnsafeGlobals as exc:  # the bytes are the manifest's; what they hold is for the user to allow
         print(f"sdcguard verify-checkpoint: error: {exc}", file=sys.stderr)
-        return 2
+        return None, 2
     except CheckpointError as exc:
         print(f"MISMATCH {exc}")
-        return 1
-    audited = ("on an audited step" if found.audited else
-               f"covered by the audit at step {found.audited_step}" if found.audited_step is not None else "not covered by any audit")
-    print(f"OK {found.path}: step {found.step}, {found.parameters} parameters, weight digest {found.weight_digest}, "
-          f"sha256 {found.sha256}, {audited}")
-    return 0
+        return None, 1
+
+
+def _coverage(audited: bool, audited_step: int | None) -> str:
+    return ("on an audited step" if audited else
+            f"covered by the audit at step {audited_step}" if audited_step is not None else "not covered by any audit")
+
+
+def _allowed_classes(allow: list[str]) -> list[object] | None:
+    """The classes ``--allow-global`` names, or None (said on stderr) when one may not be allowed."""
+    try:
+        return [_allowed_class(name) for name in allow]
+    except (ImportError, AttributeError, ValueError) as exc:
+        print(f"sdcguard verify-checkpoint: error: --allow-global: {exc}", file=sys.stderr)
+        return None
 
 
 def _allowed_class(name: str) -> object:
@@ -148,12 +174,28 @@ def _verify_folder(path: Path, step: int | None, sha256: str | None) -> int:
     except CheckpointError as exc:
         print(f"MISMATCH {exc}")
         return 1
-    audited = manifest.get("audited_step")
-    covered = ("on an audited step" if manifest.get("audited") else
-               f"covered by the audit at step {audited}" if audited is not None else "not covered by any audit")
     print(f"OK {path}: step {manifest['step']}, Trainer checkpoint folder, {len(manifest['files'])} files as written, "
           f"{len(manifest['parameters'])} parameters, weight digest {manifest['weight_digest']}, "
-          f"sha256 {manifest['sha256']}, {covered}")
+          f"sha256 {manifest['sha256']}, {_coverage(bool(manifest.get('audited')), manifest.get('audited_step'))}")
+    return 0
+
+
+def _verify_pipeline(path: Path, step: int | None, sha256: str | None, allow: list[str]) -> int:
+    """A pipeline's directory: pipeline.json (its SHA-256 is what an alarm names) and every stage file."""
+    from .layouts.pipeline_verify import verify_pipeline
+    found, code = _verified(verify_pipeline, path, step, sha256, allow)
+    if found is None:
+        return code
+    audited = _coverage(found.audited, found.audited_step)
+    checked = ("weights cross-checked across replicas" if found.weights_verified else
+               "weights not cross-checked (one replica: no alarm names it)")
+    print(f"OK {found.path}: step {found.step}, pipeline of {found.num_stages} stages on {found.positions} positions x "
+          f"{found.replicas} replicas ({found.replication}), {len(found.stages)} stage files and their weights as "
+          f"pipeline.json records them, {found.parameters} parameters, sha256 {found.sha256} (pipeline.json), "
+          f"{checked}, {audited}")
+    for position, stage in enumerate(found.stages):
+        print(f"  position {position}: {Path(stage.path).name}, {stage.parameters} parameters, "
+              f"weight digest {stage.weight_digest}, sha256 {stage.sha256}")
     return 0
 
 
@@ -162,7 +204,8 @@ def _verify_sharded_checkpoint(path: Path, step: int | None, sha256: str | None)
     from .sharding.dcp_manifest import MANIFEST_NAME, is_sharded_checkpoint, verify_directory
     if not is_sharded_checkpoint(path):
         print(f"sdcguard verify-checkpoint: error: {path} is a directory without a manifest ({MANIFEST_NAME} "
-              "for a sharded checkpoint, sdcguard-trainer.json for a Trainer checkpoint-N folder)", file=sys.stderr)
+              "for a sharded checkpoint, pipeline.json for a pipeline's, sdcguard-trainer.json for a Trainer "
+              "checkpoint-N folder)", file=sys.stderr)
         return 2
     try:
         found = verify_directory(path, expect_step=step, expect_sha256=sha256)

@@ -18,6 +18,9 @@ these) and exits 1 when a drill failed. Meshes:
   pp2x3    pipeline parallel: 2 stages (1F1B) x 3 replicas (DDP over each stage), 3 nodes x 2 ranks (a
            replica per node); resumes from checkpoints every 2 steps (a pipeline resumes through
            guard.load_checkpoint)
+  pp2hsdp2x2  pipeline parallel: 2 stages x HSDP 2 replicas x 2 shards over each stage, 4 nodes x 2 ranks
+  pp2fsdp3    pipeline parallel: 2 stages x pure FSDP over 3 ranks per stage, 3 nodes x 2 ranks (no check
+              3: the weight and update kinds escape, and the report says so)
 """
 import argparse
 import json
@@ -35,6 +38,10 @@ MESHES = {
     "hsdp3x1": ["--nodes", "3", "--ranks-per-node", "1", "--shard", "1", "--replicate", "3"],
     "tp3x2": ["--nodes", "3", "--ranks-per-node", "2", "--tp", "2", "--replicate", "3"],
     "pp2x3": ["--nodes", "3", "--ranks-per-node", "2", "--pp", "2", "--replicate", "3", "--checkpoint-every", "2"],
+    "pp2hsdp2x2": ["--nodes", "4", "--ranks-per-node", "2", "--pp", "2", "--shard", "2", "--replicate", "2",
+                   "--checkpoint-every", "2"],
+    "pp2fsdp3": ["--nodes", "3", "--ranks-per-node", "2", "--pp", "2", "--shard", "3", "--replicate", "1",
+                 "--checkpoint-every", "2"],
 }
 
 RUN = ["--steps", "18", "--audit-every", "2", "--weight-check-every", "1", "--micro-batches", "2",

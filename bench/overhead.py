@@ -1,6 +1,7 @@
 """Step-time overhead of sdcguard against plain DDP, and against the replay floor.
 
     .venv/bin/python bench/overhead.py [--rounds 5] [--window 100] [--ranks 3] [--slice 10] [--sharded 2x2] [--tp 2]
+                                       [--pp 2 [--dp 2]]
 
 Launches 3 gloo ranks (one thread each) training bench/gpt.py's TinyGPT. Six configurations,
 each on its own DDP replica: plain DDP; plain DDP plus one 16-byte all-reduce between backward and
@@ -25,6 +26,19 @@ sdcguard's checks 1, 3 (HSDP) and 4 without audits (check 3 every 100 steps); au
 step API); check 3 on every step (pure FSDP: the update re-run, ``sharding/update_check.py``). A sharded replay is one more forward and backward of the whole mesh, all-gathers
 included, with nothing reduced: t_replay is a plain FSDP2 replica's forward+backward with its
 gradient reduction off (``set_requires_gradient_sync(False)``), measured in the same run.
+
+``--pp P`` measures a pipeline instead (``torch.distributed.pipelining``, 1F1B, 4 micro-batches), on
+P * ``--dp`` ranks laid out ``(dp, pp)``, a replica's stages on one "node" as in bench/pipeline.py
+(its model family, ``bench/pp_model.py``): each stage module wrapped in DDP over the ranks holding
+that stage, AdamW, gradient clipping over the pipeline, ``Guard(schedule, optimizer)`` and
+``s.run_schedule``. Rows: the plain pipeline step; sdcguard's ordinary steps (checks 1 and 4 on
+every step, check 3 every 100, no audit); audits every 100; audits every 10; and the replay floor,
+a plain step followed by one replay-like pass, interleaved with the others in the same windows. A pipeline's
+replay is one more pass of the schedule (every stage's forward and backward, with its
+point-to-point transfers) on the bare stage modules, nothing reduced: that pass on a replica of bare
+stages (``PipelineStage`` without DDP, ``scale_grads=False``, as the layout's replay builds it). The
+floor of audits every N is 1 + (floor row / plain - 1) / N, per round; t_replay, timed after each
+round as for DDP, is printed beside it.
 """
 import argparse
 import json
@@ -43,9 +57,14 @@ SYNC_ONLY = "plain + one 16 B sync"
 WEIGHTS_EVERY_STEP = "checks 1+3+4, check 3 every step"
 """Sharded: check 3 on every step (HSDP: each shard across its replicas; pure FSDP: the update re-run),
 against the row with check 3 every 100 steps: what one weight-check step adds."""
+PLAIN_PIPELINE = "plain pipeline"
+REPLAY_FLOOR = "plain + one replay pass"
+"""A plain step followed by one replay-like pass, interleaved with the others: the floor of an audit on
+every step, measured in the same windows (``--pp``); the floor of audits every N is 1 + (its ratio - 1) / N."""
 
 
-def worker(out: str, rounds: int, window: int, slice_steps: int, sharded: str | None = None, tp: int = 1) -> None:
+def worker(out: str, rounds: int, window: int, slice_steps: int, sharded: str | None = None, tp: int = 1,
+           pp: int = 0, dp: int = 2) -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -59,6 +78,10 @@ def worker(out: str, rounds: int, window: int, slice_steps: int, sharded: str | 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
+    if pp:
+        configs, replay_like = _pipeline_configs(pp, dp, rank)
+        _measure(out, configs, replay_like, rounds, window, slice_steps, baseline=PLAIN_PIPELINE)
+        return
     if sharded:
         configs, replay_like = _sharded_configs(sharded, rank, tp)
         _measure(out, configs, replay_like, rounds, window, slice_steps, baseline="plain FSDP2")
@@ -223,6 +246,80 @@ def _sharded_configs(mesh_shape: str, rank: int, tp: int = 1):
     return configs, replay_like
 
 
+def _pipeline_configs(pp: int, dp: int, rank: int):
+    """The pipeline configurations (``--pp``), each on its own replica of every stage (DDP over the
+    stage's data-parallel group, its own ``PipelineStage`` and 1F1B schedule), and the replay's
+    stand-in: the schedule on bare stage modules (no DDP, gradients not divided by the micro-batch
+    count), as ``layouts/pipeline.py`` replays."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.nn.parallel import DistributedDataParallel
+
+    sys.path.insert(0, str(HERE))
+    from pp_model import MICRO_BATCHES, batch, clip, stage_module
+
+    import sdcguard
+    from sdcguard.checks.rng import forward_seed, seeded
+
+    mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
+    position, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    pp_group, dp_group, cpu = mesh["pp"].get_group(), mesh["dp"].get_group(), torch.device("cpu")
+
+    def inputs(step):
+        x, y = batch(step, replica)
+        return ((x,) if position == 0 else ()), (y if position == pp - 1 else None)
+
+    def pipeline(ddp: bool = True, **schedule_options):
+        module = stage_module(position, pp)
+        held = DistributedDataParallel(module, process_group=dp_group, find_unused_parameters=True) if ddp else module
+        stage = PipelineStage(held, position, pp, cpu, group=pp_group)
+        schedule = Schedule1F1B(stage, MICRO_BATCHES, loss_fn=F.cross_entropy, **schedule_options)
+        return module, schedule, torch.optim.AdamW(module.parameters(), lr=1e-3)
+
+    def plain_step(step, module, schedule, opt):
+        args, target = inputs(step)
+        with seeded(forward_seed(0, step, rank, 0), cpu):
+            schedule.step(*args, target=target)
+        clip([module], pp_group)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    module, schedule, opt = pipeline()
+    configs = {PLAIN_PIPELINE: lambda step, m=module, s=schedule, o=opt: plain_step(step, m, s, o)}
+    for name, audit in (("checks 1+3+4 (no audit)", 0), ("audit every 100", 100), ("audit every 10", 10)):
+        module, schedule, opt = pipeline()
+        guard = sdcguard.Guard(schedule, opt, config=sdcguard.Config(audit_every=audit, weight_check_every=100,
+                                                                     ranks_per_node=pp))
+
+        def guarded(step, g=guard, m=module, o=opt):
+            args, target = inputs(step)
+            with g.step(step) as s:
+                s.run_schedule(*args, target=target)
+                s.check()
+                clip([m], pp_group)
+                o.step()
+            o.zero_grad(set_to_none=True)
+        configs[name] = guarded
+    bare, replay_schedule, _ = pipeline(ddp=False, scale_grads=False)
+
+    def replay_like(step):
+        args, target = inputs(step)
+        with seeded(forward_seed(0, step, rank, 0), cpu):
+            replay_schedule.step(*args, target=target, losses=[])
+        for p in bare.parameters():  # a replay sets the real gradients aside and drops its own
+            p.grad = None
+    replay_like(0)  # the schedule's first step infers shapes: not part of a replay's price
+    module, schedule, opt = pipeline()
+
+    def floor_step(step, m=module, s=schedule, o=opt):
+        plain_step(step, m, s, o)
+        replay_like(step)
+    configs[REPLAY_FLOOR] = floor_step
+    return configs, replay_like
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
@@ -233,15 +330,22 @@ def main() -> int:
                         help="FSDP2 over an R x S (replicate, shard) mesh on R*S ranks instead of DDP (1xS: pure FSDP)")
     parser.add_argument("--tp", type=int, default=1,
                         help="with --sharded: each block's MLP tensor parallel over T consecutive ranks (R*S*T ranks)")
+    parser.add_argument("--pp", type=int, default=0,
+                        help="a pipeline of P stages (1F1B, DDP over each stage) instead of DDP, on P * --dp ranks")
+    parser.add_argument("--dp", type=int, default=2, help="with --pp: the data-parallel replicas of each stage")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tp > 1 and not args.sharded:
         parser.error("--tp needs --sharded RxS (tensor parallelism under FSDP2 over the data-parallel mesh)")
+    if args.pp and (args.sharded or args.pp < 2 or args.dp < 2):
+        parser.error("--pp P needs P >= 2 and --dp >= 2 (every stage replicated), without --sharded")
     if args.worker:
-        worker(args.worker, args.rounds, args.window, args.slice, args.sharded, args.tp)
+        worker(args.worker, args.rounds, args.window, args.slice, args.sharded, args.tp, args.pp, args.dp)
         return 0
     ranks = args.ranks
     extra = []
+    if args.pp:
+        ranks, extra = args.pp * args.dp, ["--pp", str(args.pp), "--dp", str(args.dp)]
     if args.sharded:
         replicas, shards = (int(x) for x in args.sharded.lower().split("x"))
         ranks, extra = replicas * shards * args.tp, ["--sharded", args.sharded, "--tp", str(args.tp)]
@@ -257,16 +361,24 @@ def main() -> int:
     plain = means[baseline]
     model = f"TinyGPT, FSDP2 mesh {args.sharded} (fully_shard per block and root)" if args.sharded else "TinyGPT"
     model += f", each block's MLP tensor parallel over {args.tp} ranks" if args.tp > 1 else ""
+    if args.pp:
+        model = (f"bench/pp_model.py, PP {args.pp} x DP {args.dp} (1F1B, 4 micro-batches, DDP over each stage, "
+                 "ranks (dp, pp))")
+    replay = "the schedule on the bare stages" if args.pp else "forward+backward"
     print(f"{ranks} gloo ranks, 1 thread each, {model}; {args.rounds} rounds x {args.window} steps per "
           f"configuration, interleaved {args.slice} steps at a time")
-    print(f"{baseline} step {statistics.median(plain) * 1e3:.1f} ms; replay (forward+backward) "
+    print(f"{baseline} step {statistics.median(plain) * 1e3:.1f} ms; replay ({replay}) "
           f"{statistics.median(replays) * 1e3:.1f} ms")
     print(f"{'configuration':26s} {'ms/step':>8s} {'x plain':>8s} {'(min-max)':>13s} {'floor':>7s} {'x plain - floor':>16s}")
+    measured_floor = means.get(REPLAY_FLOOR)  # --pp: the floor measured in the same windows
     for name, times in means.items():
-        n = AUDIT_EVERY.get(name)
+        n = 1 if name == REPLAY_FLOOR else AUDIT_EVERY.get(name)
         # Paired within each round: this configuration against the baseline in the same round.
         ratios = [t / p for t, p in zip(times, plain)]
-        floors = [1 + r / (n * p) if n else 1.0 for r, p in zip(replays, plain)]
+        if measured_floor is not None:
+            floors = [1 + (f / p - 1) / n if n else 1.0 for f, p in zip(measured_floor, plain)]
+        else:
+            floors = [1 + r / (n * p) if n else 1.0 for r, p in zip(replays, plain)]
         excess = statistics.median(x - f for x, f in zip(ratios, floors))
         print(f"{name:26s} {statistics.median(times) * 1e3:8.1f} {statistics.median(ratios):8.3f} "
               f"{f'({min(ratios):.3f}-{max(ratios):.3f})':>13s} {statistics.median(floors):7.3f} {excess:+16.3f}")

@@ -2,13 +2,14 @@
 plain pipeline loop, measured inside one run.
 
     .venv/bin/python bench/pipeline.py [--pp 2] [--dp 2] [--steps 300] [--schedule 1f1b]
-                                       [--timed-steps 60]
+                                       [--timed-steps 60] [--replication ddp|fsdp|hsdp] [--shard S]
 
 Launches itself under torchrun (gloo, CPU, one thread per rank), ranks laid out ``(dp, pp)``: a
 replica's stages on one "node" (``ranks_per_node = pp``), so a replica replays another node's
 batch. A small model (blocks of LayerNorm, Linear, GELU, dropout, Linear with a residual; a head
-on the last stage) split into ``pp`` stages, DDP over each stage's replicas, AdamW, 4 micro-batches,
-gradient clipping over the pipeline. Three phases, each on a fresh copy of the same model:
+on the last stage, ``bench/pp_model.py``) split into ``pp`` stages, DDP over each stage's replicas
+(``--replication fsdp``: FSDP2 over them, one replica; ``hsdp``: ``dp / S`` replicas x ``S``
+shards), AdamW, 4 micro-batches, gradient clipping over the pipeline. Three phases, each on a fresh copy of the same model:
 the plain loop, the guarded loop without audits (checks 1 and 4 on every step), and the guarded
 loop audited and weight-checked on every step for ``--steps`` steps. No fault is injected: any
 alarm, NonFiniteGradient or ReplayError is a false one. Prints the counts and the median step
@@ -32,6 +33,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--timed-steps", type=int, default=60)
     parser.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
+    parser.add_argument("--replication", choices=["ddp", "fsdp", "hsdp"], default="ddp")
+    parser.add_argument("--shard", type=int, default=1, help="with --replication hsdp: shards per replica")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -48,10 +51,12 @@ def main() -> int:
         return 1
     r0 = reports[0]
     false = sum(r["false_alarms"] for r in reports)
-    print(f"pipeline {args.schedule}: PP {args.pp} x DP {args.dp} ({world} ranks), {args.steps} audited steps "
-          f"(check 2 and check 3 on every step; the schedule's first step is not audited)")
+    print(f"pipeline {args.schedule}: PP {args.pp} x DP {args.dp} ({world} ranks, {args.replication.upper()} over each "
+          f"stage), {args.steps} audited steps (check 2 and check 3 on every step; with DDP the schedule's first "
+          "step is not audited)")
     print(f"  false alarms: {false} (alarms, NonFiniteGradient, ReplayError on any rank)")
-    print(f"  audited steps: {r0['audited_steps']}, weight-checked steps: {r0['weights_verified'] + 1}")
+    checked = "none (one replica of each stage)" if r0["weights_verified"] is None else r0["weights_verified"] + 1
+    print(f"  last audited step: {r0['audited_steps']}, weight-checked steps: {checked}")
     plain = r0["median"]["plain"]
     for phase, steps in (("unaudited", args.timed_steps), ("audited", args.steps)):
         print(f"  {phase:9s} step: {r0['median'][phase] / plain:.3f}x the plain pipeline step "
@@ -64,9 +69,10 @@ def _worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import sdcguard
@@ -74,35 +80,32 @@ def _worker(args: argparse.Namespace) -> int:
     from sdcguard.config import Config
     from sdcguard.errors import NonFiniteGradient, ReplayError
 
+    sys.path.insert(0, str(Path(__file__).parent))
+    from pp_model import MICRO_BATCHES, batch, stage_module
+
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    rank, width, micro = dist.get_rank(), 64, 4
+    rank, micro = dist.get_rank(), MICRO_BATCHES
     mesh = init_device_mesh("cpu", (args.dp, args.pp), mesh_dim_names=("dp", "pp"))
+    dp_mesh = mesh["dp"]
+    if args.replication == "hsdp":  # rows: replicas, as torchtitan's ("dp_replicate", "dp_shard")
+        dp_mesh = init_device_mesh("cpu", (args.dp // args.shard, args.shard, args.pp),
+                                   mesh_dim_names=("dp_replicate", "dp_shard", "pp"))["dp_replicate", "dp_shard"]
     per_rank = 2 if args.schedule == "interleaved" else 1
     num_stages = args.pp * per_rank
     position, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
 
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm, self.fc, self.proj, self.drop = nn.LayerNorm(width), nn.Linear(width, 4 * width), \
-                nn.Linear(4 * width, width), nn.Dropout(0.1)
-
-        def forward(self, x):
-            return x + self.drop(self.proj(F.gelu(self.fc(self.norm(x)))))
-
-    def stage_module(index: int) -> nn.Module:
-        torch.manual_seed(index)
-        layers = [Block(), Block()]
-        if index == num_stages - 1:
-            layers.append(nn.Linear(width, 10))
-        return nn.Sequential(*layers)
+    def replicate(module):
+        if args.replication == "ddp":
+            return DDP(module, process_group=mesh["dp"].get_group(), find_unused_parameters=True)
+        for child in module.children():
+            fully_shard(child, mesh=dp_mesh)
+        return fully_shard(module, mesh=dp_mesh)
 
     def build():
         indices = [position + args.pp * k for k in range(per_rank)]
-        modules = [stage_module(i) for i in indices]
-        stages = [PipelineStage(DDP(m, process_group=mesh["dp"].get_group(), find_unused_parameters=True), i,
-                                num_stages, torch.device("cpu"), group=mesh["pp"].get_group())
+        modules = [stage_module(i, num_stages) for i in indices]
+        stages = [PipelineStage(replicate(m), i, num_stages, torch.device("cpu"), group=mesh["pp"].get_group())
                   for m, i in zip(modules, indices)]
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}.get(args.schedule)
         schedule = kind(stages[0], micro, loss_fn=F.cross_entropy) if kind else \
@@ -111,14 +114,18 @@ def _worker(args: argparse.Namespace) -> int:
         return schedule, stages, modules, opt
 
     def data(step: int):
-        g = torch.Generator().manual_seed(1000 * step + replica)
-        x = torch.randn(16, width, generator=g)
-        return x, (x[:, :10].sum(1) * 7).long().remainder(10)
+        return batch(step, replica)
 
     def clip(modules) -> None:
+        """To norm 1 over the pipeline: every stage's (shards') squares; HSDP's replicas counted once."""
         grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
-        total = torch.stack([g.pow(2).sum() for g in grads]).sum()
-        dist.all_reduce(total, group=mesh["pp"].get_group())
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        total = torch.stack([g.pow(2).sum() for g in local]).sum()
+        if args.replication == "ddp":
+            dist.all_reduce(total, group=mesh["pp"].get_group())
+        else:
+            dist.all_reduce(total)
+            total = total / (args.dp // args.shard if args.replication == "hsdp" else 1)
         coef = min(1.0, 1.0 / (float(total.sqrt()) + 1e-6))
         for g in grads:
             g.mul_(coef)

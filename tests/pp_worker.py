@@ -1,7 +1,9 @@
 """One rank of the pipeline test, launched by tests/test_pipeline.py under torchrun (gloo, CPU,
 6 ranks): a ``(pp, dp) = (2, 3)`` mesh built the torchtitan way, each stage module wrapped in DDP
-over its data-parallel group, ``torch.distributed.pipelining`` stages and schedules. Scenarios,
-each writing OUT/<scenario>-rank<r>.json:
+over its data-parallel group (``PP_DP=ddp``), or sharded over it with FSDP2 (``PP_DP=fsdp``: pure
+FSDP over 3 ranks; ``PP_DP=hsdp``: HSDP 3 replicas x 1 shard, torchtitan's data-parallel-only
+setting), ``torch.distributed.pipelining`` stages and schedules. Scenarios, each writing
+OUT/<scenario>-rank<r>.json:
 
   exact     for GPipe, 1F1B and interleaved 1F1B (two stages per rank): the plain loop (AdamW,
             4 micro-batches, dropout, gradient clipping) against the same loop under guard.step,
@@ -23,6 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -33,7 +37,30 @@ from sdcguard.checks.rng import forward_seed, seeded
 from sdcguard.config import Config
 from sdcguard.fingerprint import digest, fingerprint
 
-PP, DP, STEPS, MICRO = 2, 3, 3, 4
+REPLICATION = os.environ.get("PP_DP", "ddp")
+SHARDS = 2 if REPLICATION == "hsdp22" else 1
+"""``hsdp22``: HSDP 2 replicas x 2 shards over each stage (8 ranks)."""
+PP, DP, STEPS, MICRO = 2, 4 if SHARDS == 2 else 3, 3, 4
+
+
+def local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def replicate(modules, mesh):
+    """Each stage module over the ranks holding the same stage: DDP, or FSDP2 per child then root."""
+    if REPLICATION == "ddp":
+        # find_unused_parameters: on torch 2.13 a plain DDP stage fails its second step (the reducer
+        # counts the schedule's shape-inference backward), and with static_graph=True the last stage's
+        # gradients are never reduced (its replicas drift apart: check 3 names them) — sdcguard or not
+        return [DDP(m, process_group=mesh["dp"].get_group(), find_unused_parameters=True) for m in modules]
+    dp_mesh = mesh["dp"] if REPLICATION == "fsdp" else MESH3["dp_replicate", "dp_shard"]  # rows: replicas
+    for m in modules:
+        for child in m.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child, mesh=dp_mesh)
+        fully_shard(m, mesh=dp_mesh)
+    return modules
 
 
 def block(i: int) -> nn.Module:
@@ -63,15 +90,12 @@ def batch(step, replica, n=8):
 
 
 def build(mesh, kind):
-    pp_rank, dp_group = mesh["pp"].get_local_rank(), mesh["dp"].get_group()
+    pp_rank = mesh["pp"].get_local_rank()
     stages_per_rank = 2 if kind == "interleaved" else 1
     num_stages = PP * stages_per_rank
     indices = [pp_rank + PP * k for k in range(stages_per_rank)]  # looped, as torchtitan lays them out
     modules = [Head(i) if i == num_stages - 1 else block(i) for i in indices]
-    # find_unused_parameters: on torch 2.13 a plain DDP stage fails its second step (the reducer
-    # counts the schedule's shape-inference backward), and with static_graph=True the last stage's
-    # gradients are never reduced (its replicas drift apart: check 3 names them) — sdcguard or not
-    ddps = [DDP(m, process_group=dp_group, find_unused_parameters=True) for m in modules]
+    ddps = replicate(modules, mesh)
     stages = [PipelineStage(d, i, num_stages, torch.device("cpu"), group=mesh["pp"].get_group())
               for d, i in zip(ddps, indices)]
     if kind == "gpipe":
@@ -88,8 +112,12 @@ def clip(modules, max_norm=1.0):
     """Clipping over the whole pipeline: the squared norms of every stage summed over the pipeline
     group, as torchtitan's clip_grad_norm_ does under PP."""
     grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
-    total = torch.stack([g.pow(2).sum() for g in grads]).sum()
-    dist.all_reduce(total, group=MESH["pp"].get_group())
+    total = torch.stack([local(g).pow(2).sum() for g in grads]).sum()
+    if REPLICATION == "ddp":
+        dist.all_reduce(total, group=MESH["pp"].get_group())
+    else:  # every shard of every stage; HSDP's replicas hold the same shards (counted DP times, divided)
+        dist.all_reduce(total)
+        total = total / (DP // SHARDS if REPLICATION.startswith("hsdp") else 1)
     coef = min(1.0, max_norm / (float(total.sqrt()) + 1e-6))
     for g in grads:
         g.mul_(coef)
@@ -103,7 +131,7 @@ def run_args(stages, step, replica):
 
 
 def weights_digest(modules):
-    return digest(fingerprint(p) for m in modules for p in m.parameters()).hex()
+    return digest(fingerprint(local(p)) for m in modules for p in m.parameters()).hex()
 
 
 def plain(mesh, kind, rank):
@@ -167,12 +195,18 @@ def faults(mesh, rank):
         state["step"] = step
         if step == 0:
             modules[0].register_forward_hook(forward_fault)
-            next(modules[0].parameters()).register_hook(grad_fault)
+            if REPLICATION == "ddp":
+                next(modules[0].parameters()).register_hook(grad_fault)
+            else:  # FSDP2's sharded parameters get their gradient from the reduce-scatter, not autograd
+                def output_grad_fault(module, args, output):
+                    if output.requires_grad:
+                        output.register_hook(grad_fault)
+                modules[0].register_forward_hook(output_grad_fault)
             if rank == 4:
                 def flip(optimizer, args, kwargs):
                     if state["step"] == 3:
                         with torch.no_grad():
-                            w = next(modules[0].parameters())
+                            w = local(next(modules[0].parameters()))
                             w.view(-1)[0] = -w.view(-1)[0]
                 opt.register_step_post_hook(flip)
 
@@ -213,7 +247,10 @@ def resume(mesh, rank, out):
 
     schedule, modules, opt, stages = build(mesh, "1f1b")
     guard = sdcguard.Guard(schedule, opt, config=Config(audit_every=1, weight_check_every=1))
-    start = guard.load_checkpoint(named[0], expect_step=named[1], expect_sha256=named[2])
+    if named[0] is None:  # pure FSDP: no checkpoint is cross-checked, none is named; the user resumes from one
+        start = guard.load_checkpoint(os.path.join(out, "ckpt-3"), expect_step=3)
+    else:
+        start = guard.load_checkpoint(named[0], expect_step=named[1], expect_sha256=named[2])
     for step in range(start + 1, steps):
         args, target = run_args(stages, step, replica)
         with guard.step(step) as s:
@@ -225,7 +262,7 @@ def resume(mesh, rank, out):
     resumed = weights_digest(modules)
     dist.barrier()
     if rank == 0:
-        victim = os.path.join(named[0], "stage-1.pt")
+        victim = os.path.join(out, "ckpt-3", "stage-1.pt")
         with open(victim, "r+b") as fh:
             fh.seek(-1, os.SEEK_END)
             last = fh.read(1)
@@ -235,7 +272,7 @@ def resume(mesh, rank, out):
     schedule, modules, opt, stages = build(mesh, "1f1b")
     guard = sdcguard.Guard(schedule, opt, config=Config(audit_every=1))
     try:
-        guard.load_checkpoint(named[0])
+        guard.load_checkpoint(os.path.join(out, "ckpt-3"))
         refused = None
     except sdcguard.checkpoint.CheckpointError as exc:
         refused = str(exc)
@@ -243,19 +280,31 @@ def resume(mesh, rank, out):
             "refused": refused}
 
 
-MESH = None
+MESH = MESH3 = None
 
 
 def main(out):
-    global MESH
+    global MESH, MESH3
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
     MESH = mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
+    if REPLICATION.startswith("hsdp"):  # hsdp: torchtitan's data-parallel-only mesh, a shard of one
+        MESH3 = init_device_mesh("cpu", (PP, DP // SHARDS, SHARDS), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
 
     def write(name, data):
         with open(os.path.join(out, f"{name}-rank{rank}.json"), "w") as fh:
             json.dump(data, fh)
+
+    # every all-reduce a replay runs (HSDP's must not: a replay sends nothing to another replica)
+    replay_all_reduces = []
+    real_all_reduce = dist.all_reduce
+
+    def counted_all_reduce(tensor, *args, **kwargs):
+        if replaying():
+            replay_all_reduces.append(tensor.numel())
+        return real_all_reduce(tensor, *args, **kwargs)
+    dist.all_reduce = counted_all_reduce
 
     for kind in os.environ.get("PP_KINDS", "gpipe,1f1b,interleaved").split(","):
         plain_losses, plain_digest = plain(mesh, kind, rank)
@@ -266,10 +315,13 @@ def main(out):
                                 "alarms": [unaudited[3], audited[3]],
                                 "audited_step": audited[2].history.last_audited_step,
                                 "weights_verified": audited[2].history.last_weights_verified_step,
-                                "plan": audited[2].plan_lines()})
-    seen, plan = faults(mesh, rank)
-    write("faults", {"steps": seen, "plan": plan})
-    write("resume", resume(mesh, rank, out))
+                                "plan": audited[2].plan_lines(), "replay_all_reduces": list(replay_all_reduces)})
+    scenarios = os.environ.get("PP_SCENARIOS", "faults,resume").split(",")
+    if "faults" in scenarios:
+        seen, plan = faults(mesh, rank)
+        write("faults", {"steps": seen, "plan": plan})
+    if "resume" in scenarios:
+        write("resume", resume(mesh, rank, out))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -54,3 +54,29 @@ def test_the_recorder_holds_what_the_checks_read(group):
 def test_no_fingerprints_off_audit_steps(group):
     _, recorder = grads(hooked=True, audit=False)
     assert recorder.fingerprints() == {}
+
+
+def test_fingerprints_of_every_bucket_reach_the_host_in_one_read(group, monkeypatch):
+    """Small buckets (DDP rebuilds them after the first step): each parameter's fingerprint, as
+    ``fingerprint`` gives it, with one host read for all the buckets, not one per bucket."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    ddp = DDP(model, bucket_cap_mb=1e-4)
+    recorder = GradientRecorder(list(model.parameters()))
+    ddp.register_comm_hook(recorder, record_then_reduce)
+    for step in range(2):
+        recorder.begin_step(True, step)
+        ddp(torch.randn(5, 6, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+    assert len(recorder.pending) >= 2
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def counted(self, *args, **kwargs):
+        reads.append(tuple(self.shape))
+        return tolist(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    found = recorder.fingerprints()
+    monkeypatch.undo()
+    assert found == {i: fingerprint(p.grad) for i, p in enumerate(model.parameters())}
+    assert reads == [(4, 2)]

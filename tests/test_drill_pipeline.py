@@ -5,7 +5,10 @@ where each fault strikes (the stage its rank holds), and the judge's pipeline ex
 never audited; an ambiguous alarm must name the faulted stage's ranks, or for a NaN its replica's).
 Under real processes (gloo, PP 2 x 3 replicas on 3 nodes x 2 ranks): every fault kind on a stage,
 each caught by its check at its step naming its rank (or its stage pair, ambiguous), the run
-resumed from the checkpoint each alarm names, ending bit for bit where the clean run does."""
+resumed from the checkpoint each alarm names, ending bit for bit where the clean run does. With each
+stage sharded by FSDP2 (``--pp 2 --shard S --replicate R``): the flags and refusals in-process; under
+processes HSDP 2 x 2 (8 ranks: every kind caught, check 3 naming a shard's two replicas, bitwise
+recovery) and pure FSDP over 3 (6 ranks: the weight and update faults escape, and say so)."""
 import argparse
 import json
 import subprocess
@@ -50,8 +53,8 @@ def test_the_ddp_drill_config_has_no_pipeline():
 @pytest.mark.parametrize("argv, message", [
     (["--pp", "2"], "--pp needs --replicate R >= 2"),
     (["--pp", "2", "--replicate", "1", "--nodes", "1"], "--pp needs --replicate R >= 2"),
-    (["--pp", "2", "--replicate", "2", "--shard", "2"], "--pp with --shard or --tp is not drilled yet"),
-    (["--pp", "2", "--replicate", "2", "--tp", "2"], "--pp with --shard or --tp is not drilled yet"),
+    (["--pp", "2", "--replicate", "2", "--tp", "2"], "pipeline x tensor parallelism is not supported"),
+    (["--pp", "2", "--shard", "2", "--replicate", "2", "--tp", "2"], "pipeline x tensor parallelism is not supported"),
     (["--pp", "4", "--replicate", "2"], "at most 3 stages"),
     (["--pp", "0"], "--pp must be >= 1"),
     (["--schedule", "gpipe"], "--schedule needs --pp M"),
@@ -80,6 +83,86 @@ def test_what_a_pipeline_cannot_drill_is_refused_before_anything_starts(argv, me
 
 def test_help_says_how_ranks_map_onto_the_pipeline():
     assert "rank r holds stage r % M of replica r // M" in launch.DESCRIPTION
+    assert "--pp with --tp is refused" in launch.DESCRIPTION
+
+
+# -- FSDP2 over each stage (--pp M --shard S --replicate R) ------------------------------------------
+
+@pytest.mark.parametrize("argv, layout", [
+    (["--pp", "2", "--shard", "2", "--replicate", "2"], (2, 2, 2, 4, 8)),    # HSDP: 4 pipelines, one per node
+    (["--pp", "2", "--shard", "3"], (2, 3, 1, 3, 6)),                        # pure FSDP, R defaults to 1
+    (["--pp", "2", "--shard", "3", "--nodes", "3"], (2, 3, 1, 3, 6)),        # R from the job's size
+    (["--pp", "3", "--shard", "1", "--replicate", "2", "--ranks-per-node", "3"], (3, 1, 2, 2, 6)),
+    (["--pp", "2", "--shard", "2", "--replicate", "2", "--schedule", "interleaved"], (2, 2, 2, 4, 8)),
+])
+def test_a_sharded_pipeline_follows_the_flags(argv, layout):
+    cfg = config(*argv)
+    assert (cfg["pp"], cfg["shard"], cfg["replicate"], cfg["nodes"], cfg["world_size"]) == layout
+    assert "tp" not in cfg
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pp", "2", "--shard", "1"], "--pp with --shard 1 needs --replicate R >= 2"),
+    (["--pp", "2", "--shard", "0"], "--shard must be >= 1"),
+    (["--pp", "2", "--shard", "2", "--replicate", "0"], "--replicate must be >= 1"),
+    (["--pp", "2", "--shard", "2", "--replicate", "2", "--nodes", "3"],
+     "--replicate 2 x --shard 2 x --pp 2 = 8 ranks, but the job has 6"),
+    (["--pp", "2", "--shard", "4", "--nodes", "3"], "--shard 4 x --pp 2 does not divide the job's 6 ranks"),
+    (["--pp", "2", "--shard", "2", "--replicate", "2", "--on-alarm", "resume"], "needs --checkpoint-every K"),
+    # rank 5: stage 1 of pipeline 2 = shard 2 of 3; head.weight has 4 rows: FSDP2 gives shard 2 none
+    (["--pp", "2", "--shard", "3", "--inject", "weight-swap:rank=5:step=2:param=head.weight"],
+     "shard 2 of head.weight (shape (4, 32), over 3 shards) is empty"),
+    (["--pp", "2", "--shard", "3", "--inject", "reduce-scale:step=2:param=head.bias"], "shard 2 of head.bias"),
+    # rank 1: shard 0 of hidden.weight, 16 of its 32 rows (512 elements)
+    (["--pp", "2", "--shard", "2", "--replicate", "2", "--inject", "optimizer-scale:rank=1:step=2:element=600"],
+     "element 600 is not in shard 0 of hidden.weight"),
+    (["--pp", "2", "--shard", "2", "--replicate", "2", "--inject", "grad-bitflip:rank=0:step=2:param=head.weight"],
+     "rank 0 holds pipeline stage 0 (embed, norm, drop) of replica 0; head.weight is in stage 1"),
+])
+def test_what_a_sharded_pipeline_cannot_drill_is_refused_before_anything_starts(argv, message):
+    with pytest.raises(launch.DrillInputError) as info:
+        config(*argv)
+    assert message in str(info.value)
+
+
+def test_a_grad_fault_indexes_the_full_parameter_on_a_sharded_pipeline():
+    # the local gradient is the full one (FSDP2's reduce-scatter input): element 600 is rank 1's to corrupt
+    cfg = config("--pp", "2", "--shard", "2", "--replicate", "2", "--inject", "grad-bitflip:rank=1:step=2:element=600")
+    assert cfg["faults"][0]["element"] == 600
+
+
+def _report(cfg, faults, alarms):
+    from sdcguard.drill.report import build_report
+    cfg = {**cfg, "faults": [parse_fault(f).as_dict() for f in faults]}
+    results = [{"rank": r, "fired": [], "recoveries": [], "stopped_at_step": None, "steps_completed": cfg["steps"],
+                "final_weights": "d"} for r in range(cfg["world_size"])]
+    return build_report(cfg, results, alarms)
+
+
+def test_pure_fsdp_stages_report_weight_and_update_faults_as_escaping_check_3():
+    cfg = config("--pp", "2", "--shard", "3", "--steps", "10", "--audit-every", "2", "--weight-check-every", "1")
+    report = _report(cfg, ["weight-bitflip:rank=0:step=3", "optimizer-scale:rank=4:step=5",
+                           "forward-scale:rank=3:step=4:every=2"], [alarm("a", "replay", 4, [3], False)])
+    weight, update, forward = report["injected"]
+    assert weight["outcome"] == update["outcome"] == "escaped" and weight["alarm"] is None
+    assert "one replica (pure FSDP)" in weight["why"] and "one replica (pure FSDP)" in update["why"]
+    assert forward["outcome"] == "caught" and report["passed"]
+    # an alarm of check 3 there would be a false one: the drill claims no catch it did not make
+    report = _report(cfg, ["weight-bitflip:rank=0:step=3"], [alarm("w", "weights", 3, [0], False)])
+    assert report["injected"][0]["outcome"] == "escaped" and report["unexplained_alarms"] == ["w"]
+    assert not report["passed"]
+
+
+def test_hsdp_stages_are_weight_checked_and_audited_from_the_first_step():
+    cfg = config("--pp", "2", "--shard", "2", "--replicate", "2", "--steps", "10", "--audit-every", "2",
+                 "--weight-check-every", "1")
+    report = _report(cfg, ["weight-swap:rank=3:step=5", "forward-scale:rank=1:step=0"],
+                     [alarm("w", "weights", 5, [3, 7], True), alarm("f", "replay", 0, [1], False)])
+    swap, forward = report["injected"]
+    assert swap["outcome"] == "caught-ambiguous" and swap["named"] == [3, 7]  # stage 1's two replicas of shard 1
+    assert forward["expected_step"] == 0 and forward["outcome"] == "caught"  # FSDP2 stages: step 0 is audited
+    ddp = config("--pp", "2", "--replicate", "3", "--steps", "10", "--audit-every", "2")
+    assert _report(ddp, ["forward-scale:rank=1:step=0"], [])["injected"][0]["outcome"] == "escaped"
 
 
 # -- where faults strike ------------------------------------------------------------------------
@@ -166,6 +249,8 @@ def test_schedule_of_a_pipeline_guard_reads_its_grid():
                 layout=Obj(checks_reduction=True, checks_weights=True, grid=grid))
     plan = Schedule.of(guard, steps=10)
     assert plan.pipeline == GRID and not plan.audits(0) and plan.audits(2)
+    guard.layout.replicas = Obj(audits_first_step=True)  # FSDP2 stages (layouts/pipeline_stages.FsdpStages)
+    assert Schedule.of(guard, steps=10).audits(0)
 
 
 # -- a real pipeline drill (gloo, 6 ranks) -------------------------------------------------------
@@ -186,10 +271,10 @@ FAULTS = [
 ]
 
 
-def drill(tmp_path_factory, name, *args):
+def drill(tmp_path_factory, name, *args, timeout=600):
     out = tmp_path_factory.mktemp(name)
     proc = subprocess.run([sys.executable, "-m", "sdcguard.cli", "drill", *args, "--report", str(out / "report.json"),
-                           "--spool", str(out / "spool")], capture_output=True, text=True, timeout=600)
+                           "--spool", str(out / "spool")], capture_output=True, text=True, timeout=timeout)
     assert (out / "report.json").exists(), proc.stdout + proc.stderr
     return proc, json.loads((out / "report.json").read_text())
 
@@ -253,3 +338,91 @@ def test_interleaved_stages_are_drilled_too(tmp_path_factory):
         else:
             assert row["outcome"] == "caught" and row["named"] == named, (spec, row)
     assert report["final_weights_digest"] == clean["final_weights_digest"] is not None
+
+
+# -- a real sharded pipeline drill (gloo, PP 2 x HSDP 2 x 2 = 8 ranks on 4 nodes; pure FSDP 2 x 3 = 6) ----
+
+HSDP = ["--pp", "2", "--shard", "2", "--replicate", "2", "--nodes", "4", "--ranks-per-node", "2"]
+# rank r: stage r % 2 of pipeline r // 2 (one per node), shard (r // 2) % 2 of replica r // 4; check 3 compares
+# a shard's two replicas (ambiguous: both named); pipelines 0..3 replay each other's batches (check 2)
+HSDP_FAULTS = [
+    ("forward-nan:rank=1:step=2", "nonfinite-local", None),         # stage 1 of pipeline 0: its ranks named
+    ("forward-scale:rank=3:step=4:every=2", "replay", [3]),          # persistent: its own pass and its replay
+    ("grad-inf:rank=2:step=5", "nonfinite-local", [2]),              # into FSDP2's reduce-scatter input
+    ("grad-bitflip:rank=5:step=6", "replay", None),                  # once: stage 1's pair, ambiguous
+    ("reduce-nan:step=7", "nonfinite-reduced", []),                  # stage 1's reduced shards (hidden.weight)
+    ("reduce-scale:step=9:param=embed.weight", "reduce-checksum", []),  # stage 0's
+    ("optimizer-scale:rank=4:step=11", "weights", None),             # shard 0 of stage 0: ranks 0 and 4
+    ("weight-bitflip:rank=0:step=13", "weights", None),
+    ("weight-swap:rank=3:step=15:param=head.weight", "weights", None),  # shard 1 of stage 1: ranks 3 and 7
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_every_fault_kind_on_an_fsdp_sharded_stage_is_caught_and_the_recovery_is_bitwise(tmp_path_factory):
+    clean_proc, clean = drill(tmp_path_factory, "pp-hsdp-clean", *HSDP, *RUN, timeout=1200)
+    assert clean_proc.returncode == 0, clean_proc.stdout + clean_proc.stderr
+    assert clean["passed"] and clean["alarms"] == [] and clean["final_weights_digest"] is not None
+    assert "each sharded by FSDP2 (HSDP 2 replicas x 2 shards)" in clean_proc.stdout
+
+    args = [*HSDP, *RUN, "--on-alarm", "resume"]
+    for spec, _, _ in HSDP_FAULTS:
+        args += ["--inject", spec]
+    proc, report = drill(tmp_path_factory, "pp-hsdp-faults", *args, timeout=1200)  # 8 ranks: ~2 min idle
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert report["passed"] and report["unexplained_alarms"] == [], proc.stdout
+    grid = pipeline_grid(8, 2)
+    alarms = {a["id"]: a for a in report["alarms"]}
+    for (spec, check, named), row in zip(HSDP_FAULTS, report["injected"]):
+        fault = parse_fault(spec)
+        assert row["expected_check"] == check and row["alarm"] is not None, (spec, row)
+        got = alarms[row["alarm"]]
+        assert got["check"] == check and got["step"] == fault.step, (spec, got["check"], got["step"])
+        if named is None:  # ambiguous: the rank and ranks of its stage (checks 2, 3) or pipeline (check 1)
+            assert row["outcome"] == "caught-ambiguous" and fault.rank in row["named"], (spec, row)
+            assert set(row["named"]) <= pipeline_candidates(fault, grid), (spec, row)
+            if check == "weights":  # the shard's other replica: same stage, same shard, the other replica
+                assert row["named"] == sorted([fault.rank, fault.rank ^ 4]), (spec, row)
+        else:
+            assert row["outcome"] == "caught" and row["named"] == named, (spec, row)
+        assert "resume_step" in row and row["resume_step"] < fault.step
+    assert all(r["resumed_from"] is not None and r["resumed_from"].startswith("step-") for r in report["recoveries"])
+    assert report["final_weights_digest"] == clean["final_weights_digest"]
+
+
+PURE = ["--pp", "2", "--shard", "3", "--nodes", "3", "--ranks-per-node", "2", "--steps", "12", "--audit-every", "2",
+        "--weight-check-every", "1", "--micro-batches", "2", "--checkpoint-every", "2", "--on-alarm", "resume"]
+# rank r: stage r % 2 of pipeline r // 2 = shard r // 2 of the one replica: check 3 has nothing to compare
+PURE_CAUGHT = [("forward-scale:rank=3:step=2:every=2", "replay", [3]),
+               ("grad-inf:rank=0:step=3", "nonfinite-local", [0]),
+               ("reduce-scale:step=5:param=embed.weight", "reduce-checksum", [])]
+PURE_ESCAPES = ["optimizer-scale:rank=4:step=7", "weight-bitflip:rank=1:step=9", "weight-swap:rank=2:step=10"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_pure_fsdp_stages_catch_compute_faults_and_report_weight_faults_as_escaping(tmp_path_factory):
+    """One replica of each stage: compute and reduction faults are caught as with HSDP; a weight or
+    update fault escapes (no check 3), and the drill says so rather than claim a catch. The run
+    that recovered from the caught faults ends bit for bit where the run with only the escaping
+    ones does."""
+    def inject(specs):
+        return [a for spec in specs for a in ("--inject", spec)]
+    base_proc, base = drill(tmp_path_factory, "pp-fsdp-escapes", *PURE, *inject(PURE_ESCAPES))
+    assert base_proc.returncode == 0 and base["alarms"] == [], base_proc.stdout + base_proc.stderr
+    assert "pure FSDP over 3 ranks, one replica: no check 3" in base_proc.stdout
+    assert [r["outcome"] for r in base["injected"]] == ["escaped"] * 3
+    assert {f["kind"] for f in base["fired"]} == {"optimizer-scale", "weight-bitflip", "weight-swap"}
+
+    proc, report = drill(tmp_path_factory, "pp-fsdp-faults", *PURE,
+                         *inject([spec for spec, _, _ in PURE_CAUGHT] + PURE_ESCAPES))
+    assert proc.returncode == 0 and report["passed"] and report["unexplained_alarms"] == [], proc.stdout + proc.stderr
+    rows = report["injected"]
+    for (spec, check, named), row in zip(PURE_CAUGHT, rows):
+        assert row["outcome"] == "caught" and row["expected_check"] == check and row["named"] == named, (spec, row)
+        assert row["expected_step"] == parse_fault(spec).step and row["resume_step"] < parse_fault(spec).step
+    for row in rows[len(PURE_CAUGHT):]:
+        assert row["outcome"] == "escaped" and row["alarm"] is None and "one replica (pure FSDP)" in row["why"], row
+    assert all(a["step"] < 7 for a in report["alarms"])  # nothing claims the weight faults
+    assert report["final_weights_digest"] == base["final_weights_digest"] is not None

@@ -22,8 +22,9 @@ torchtitan's clipping, AdamW and LR schedule.
     bit-identical to torchtitan's TP run with every check, its checkpoints verified offline and a
     resume bit-identical to torchtitan's; pure FSDP 2 x TP 2 bit-identical; a fault of every kind
     caught naming the rank or its TP group (ambiguous with 2 replicas; exact with DP 3 x TP 2);
-  - context, expert and pipeline parallelism and spmd_backend="full_dtensor" refused before
-    torchtitan builds anything, naming the setting (in this process).
+  - context and expert parallelism, pipeline x tensor parallelism and spmd_backend="full_dtensor"
+    refused before torchtitan builds anything, naming the setting (in this process); pipeline
+    parallelism itself: tests/test_integration_torchtitan_pipeline.py.
 """
 import dataclasses
 import json
@@ -495,7 +496,9 @@ def test_refusals_name_the_setting_and_tensor_parallelism_is_not_among_them():
     assert "parallelism.context_parallel_degree=2: context parallelism is not checked" in \
         refusals(**{**ok, "cp": 2})[0]
     assert "parallelism.expert_parallel_degree=4: expert parallelism is not checked" in refusals(**{**ok, "ep": 4})[0]
-    assert refusals(**{**ok, "pp": 2})[0].startswith("parallelism.pipeline_parallel_degree=2")
+    assert refusals(**{**ok, "pp": 2}) == []  # the Guard runs torchtitan's schedule (the pipeline test file)
+    assert refusals(**{**ok, "pp": 2, "tp": 2})[0].startswith("parallelism.pipeline_parallel_degree=2 with "
+                                                              "tensor_parallel_degree=2")
     assert "data parallel degree 1" in refusals(**{**ok, "dp_replicate": 1})[0]
     assert refusals(**ok, spmd_backend="full_dtensor")[0].startswith('parallelism.spmd_backend="full_dtensor"')
 
@@ -503,10 +506,10 @@ def test_refusals_name_the_setting_and_tensor_parallelism_is_not_among_them():
 @pytest.mark.parametrize("setting, message", [
     ("context_parallel_degree", "parallelism.context_parallel_degree=2: context parallelism is not checked"),
     ("expert_parallel_degree", "parallelism.expert_parallel_degree=2: expert parallelism is not checked"),
-    ("pipeline_parallel_degree", "parallelism.pipeline_parallel_degree=2"),
+    ("pipeline_parallel_degree", "parallelism.pipeline_parallel_degree=2 with tensor_parallel_degree=2"),
 ])
-def test_a_guarded_trainer_refuses_context_expert_and_pipeline_parallelism_before_building(monkeypatch, setting,
-                                                                                           message):
+def test_a_guarded_trainer_refuses_context_expert_and_pipeline_x_tensor_parallelism_before_building(monkeypatch, setting,
+                                                                                                    message):
     """torchtitan's own ParallelDims resolves the degrees; the refusal comes before torchtitan
     builds anything (no process group, no model: it runs in this process)."""
     from torchtitan.config import ParallelismConfig

@@ -137,6 +137,32 @@ def test_a_stage_pass_survives_its_json():
     assert StagePass.from_json(json.loads(json.dumps(clean.to_json()))).digest() == clean.digest()
 
 
+# -- how the stages are replicated (layouts/pipeline_stages) --------------------------------------
+
+def test_a_stage_module_neither_ddp_nor_fsdp2_is_refused_naming_both():
+    from types import SimpleNamespace
+
+    import torch
+
+    from sdcguard.layouts.pipeline_stages import stage_replicas
+    with pytest.raises(TypeError, match="DistributedDataParallel, or FSDP2's fully_shard"):
+        stage_replicas([SimpleNamespace(submod=torch.nn.Linear(2, 2), stage_index=0)], reduce_hook=None,
+                       reduce_state=None, seed=0)
+
+
+def test_each_rank_carries_its_share_of_its_groups_underflow_term():
+    import torch
+
+    from sdcguard.checks.reduce_checksum import Shape, rounding_bound
+    from sdcguard.layouts.pipeline_stages import underflow_share
+    shape = Shape(world=3, buckets=2, elements=1000, dtypes=(torch.float32,))
+    # the group's ranks add up to the term the group's own bound has at y = 0
+    assert 6 * underflow_share(shape, 6) == pytest.approx(rounding_bound(0.0, shape), rel=1e-12)
+    assert underflow_share(shape, 3) > 0
+    assert underflow_share(None, 3) == 0.0
+    assert underflow_share(Shape(world=3, buckets=0, elements=0, dtypes=()), 3) == 0.0
+
+
 # -- under torchrun (6 ranks: PP 2 x DP 3) --------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -193,3 +219,68 @@ def test_a_pipeline_resumes_bitwise_from_the_checkpoint_the_alarm_names(runs):
         assert r["alarm_step"] == 5 and path.endswith("ckpt-3") and step == 3 and len(sha) == 64
         assert r["start"] == 3 and r["resumed"] == r["clean"]  # every stage's weights, bit for bit
         assert "stage-1.pt was modified after it was verified" in r["refused"]  # every rank refuses
+
+
+# -- FSDP2 over each stage (torchtitan's default under PP) -----------------------------------------
+
+SHARDED = {  # PP_DP -> (ranks, schedules, scenarios)
+    "fsdp": (6, "1f1b", "faults,resume"),                       # pure FSDP over 3 ranks per stage
+    "hsdp": (6, "gpipe,1f1b,interleaved", "faults,resume"),     # 3 replicas x 1 shard: torchtitan's DP only
+    "hsdp22": (8, "1f1b,interleaved", "resume"),                # 2 replicas x 2 shards
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SHARDED))
+def sharded_runs(request, tmp_path_factory):
+    kind = request.param
+    ranks, kinds, scenarios = SHARDED[kind]
+    out = tmp_path_factory.mktemp(f"pp-{kind}")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SDCGUARD_")}, "OMP_NUM_THREADS": "1",
+           "PP_DP": kind, "PP_KINDS": kinds, "PP_SCENARIOS": scenarios}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                           str(HERE / "pp_worker.py"), str(out)], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+
+    def read(scenario):
+        return [json.loads((out / f"{scenario}-rank{r}.json").read_text()) for r in range(ranks)]
+    return kind, kinds.split(","), scenarios.split(","), read
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fsdp2_stages_train_bitwise_the_plain_loop_name_faults_and_resume_bitwise(sharded_runs):
+    kind, kinds, scenarios, read = sharded_runs
+    hsdp = kind.startswith("hsdp")
+    for schedule in kinds:
+        results = read(f"exact-{schedule}")
+        for r in results:
+            assert r["unaudited"] == r["plain"] + [0] and r["audited"] == r["plain"] + [0]
+            assert r["alarms"] == [{str(s): None for s in range(3)}] * 2
+            # FSDP2's reductions are not primed by the shape inference: step 0 is audited too
+            assert r["audited_step"] == 2 and r["weights_verified"] == (2 if hsdp else None)
+        plan = "\n".join(results[0]["plan"])
+        assert "each stage sharded with FSDP2" in plan
+        # a replay sends nothing to another replica: no gradient all-reduce (only 2-element agreements)
+        assert all(n <= 2 for r in results for n in r["replay_all_reduces"])
+        assert ("check 3 compares each shard of each stage" in plan) == hsdp
+        assert ("does not run check 3: one replica of each stage (pure FSDP)" in plan) == (not hsdp)
+    if "faults" in scenarios:
+        steps = read("faults")[0]["steps"]
+        assert steps["0"] is None
+        assert (steps["1"]["check"], steps["1"]["suspect_ranks"], steps["1"]["ambiguous"]) == ("replay", [1], False)
+        assert steps["1"]["evidence"]["first_differing_stages"] == [0]
+        assert (steps["2"]["suspect_ranks"], steps["2"]["ambiguous"]) == ([4, 5], True)
+        assert steps["2"]["evidence"]["first_differing_stages"] == [1]
+        if hsdp:  # rank 4's shard differs from its replicas'
+            assert (steps["3"]["check"], steps["3"]["suspect_ranks"], steps["3"]["ambiguous"]) == ("weights", [4], False)
+        else:  # one replica: a corrupted shard is what every pipeline all-gathers (the documented blind spot)
+            assert steps["3"] is None
+        assert (steps["4"]["check"], steps["4"]["suspect_ranks"], steps["4"]["ambiguous"]) == ("nonfinite-local", [0, 3], True)
+    for r in read("resume"):
+        path, step, sha = r["named"]
+        if hsdp:
+            assert r["alarm_step"] == 5 and path.endswith("ckpt-3") and step == 3 and len(sha) == 64
+        else:  # nothing cross-checked pure FSDP's weights: the alarm names no checkpoint
+            assert r["alarm_step"] == 5 and r["named"] == [None, None, None]
+        assert r["start"] == 3 and r["resumed"] == r["clean"]
+        assert "stage-1.pt was modified after it was verified" in r["refused"]

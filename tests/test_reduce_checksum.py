@@ -181,6 +181,125 @@ def test_the_fused_formula_stays_within_the_roundings_check_4_assumes(dtype):
         assert torch.equal(scaled, g.clone().mul_(0.25))
 
 
+# -- the CPU path: the bucket read once, a cache-sized block at a time (blocked_fold) --
+
+def _bucket_bytes_read(flat, fn):
+    """Bytes that the tensor operations of ``fn()`` read from ``flat``'s memory (views read nothing;
+    an ``out=`` argument is written, not read)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ptr = flat.untyped_storage().data_ptr()
+    read = [0]
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not getattr(func, "is_view", False):
+                seen = set()
+                for i, a in enumerate(args):
+                    for t in (a if isinstance(a, (list, tuple)) else [a]):
+                        if not isinstance(t, torch.Tensor) or t.untyped_storage().data_ptr() != ptr:
+                            continue
+                        if func._opname == "copy_" and i == 0:
+                            continue  # its destination
+                        key = (t.data_ptr(), t.shape, t.stride())
+                        if key not in seen:
+                            seen.add(key)
+                            read[0] += t.numel() * t.element_size()
+            return func(*args, **(kwargs or {}))
+
+    with Reads():
+        out = fn()
+    return read[0], out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_cpu_terms_read_the_bucket_once_with_the_fused_formulas_bits(dtype, monkeypatch):
+    """``terms`` on CPU: the bucket's memory read once for the fold, the norm and the scaling
+    (the tail of ``n mod 16`` elements twice), whatever the number of blocks; the checksum the
+    fused formula's bit for bit (and the plain fold's where that adds halves too), the squared norm
+    within ``norm_roundoff`` below the exact one, the scaled bucket ``mul_``'s bit for bit —
+    NaN, Inf, signed zeros and subnormals included."""
+    from sdcguard.checks import reduce_checksum
+    from sdcguard.checks.norms import norm_roundoff
+    weights = ChecksumWeights(seed=9)
+    monkeypatch.setattr(reduce_checksum, "BLOCKED_FROM_BYTES", 0)  # every bucket blocked, however small
+    for block_bytes in (reduce_checksum.BLOCK_BYTES, 64 * 37):  # real blocks, then many ragged ones
+        monkeypatch.setattr(reduce_checksum, "BLOCK_BYTES", block_bytes)
+        for n in (16, 23, 4099, 16 * 1000 + 5, 16 * 20_000 + 15):
+            weights.begin_step(n)
+            gen = torch.Generator().manual_seed(n)
+            g = (torch.randn(n, generator=gen, dtype=torch.float64) * 10.0 ** torch.randint(-6, 4, (n,), generator=gen))
+            g = g.to(dtype)
+            g[n // 3] = -0.0
+            g[n // 2] = torch.finfo(dtype).tiny / 4  # subnormal
+            scaled = g.clone()
+            read, (c, sq) = _bucket_bytes_read(scaled, lambda: weights.terms(0, scaled, scale=1 / 3).tolist())
+            assert read <= (n + 2 * (n % 16)) * g.element_size(), (n, block_bytes, read)
+            assert torch.equal(scaled.view(torch.int16), g.clone().mul_(1 / 3).view(torch.int16)) if dtype != torch.float32 \
+                else torch.equal(scaled.view(torch.int32), g.clone().mul_(1 / 3).view(torch.int32))
+            fused_c, fused_sq = weights.fused_terms(0, g.clone()).tolist()
+            assert c == fused_c
+            if n // 16 <= DEPTH_FIRST_COLUMNS:
+                assert c == float(weights.checksum(0, g))
+            exact_sq = float(torch.dot(g.double(), g.double()))
+            assert (1 - norm_roundoff(n, dtype)) * exact_sq <= sq <= (1 + 2 * norm_roundoff(n, dtype)) * exact_sq
+        for bad, finite in ((float("nan"), math.isnan), (float("inf"), math.isinf)):
+            g = torch.randn(16 * 3000 + 3).to(dtype)
+            g[7777] = bad
+            c, sq = weights.terms(0, g.clone(), scale=0.5).tolist()
+            assert finite(sq) and not math.isfinite(c)
+
+
+def test_cpu_terms_block_only_buckets_larger_than_a_block():
+    """A bucket in cache (at most one block) takes the three passes; a larger one is read once."""
+    from sdcguard.checks import reduce_checksum
+    weights = ChecksumWeights(seed=3)
+    small = torch.randn(reduce_checksum.BLOCKED_FROM_BYTES // 4)
+    large = torch.randn(reduce_checksum.BLOCKED_FROM_BYTES // 4 + 16 * 7)
+    for g, passes in ((small, 3), (large, 1)):
+        weights.begin_step(g.numel())
+        read, _ = _bucket_bytes_read(g, lambda g=g: weights.terms(0, g, scale=0.5).tolist())
+        assert read == passes * g.numel() * 4, (g.numel(), read)
+
+
+def test_cpu_terms_keep_a_scratch_per_thread():
+    """Buckets finish on gloo's thread as well as the main one: each has its own scratch, and
+    concurrent calls give the bits a lone call gives."""
+    import threading
+    weights = ChecksumWeights(seed=3)
+    weights.begin_step(1)
+    grads = [torch.randn(16 * 40_000 + i, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    alone = [weights.terms(i, g.clone(), scale=0.5) for i, g in enumerate(grads)]
+    results = {}
+
+    def run(i):
+        for _ in range(5):
+            results[i] = weights.terms(i, grads[i].clone(), scale=0.5)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(results[i], alone[i]) for i in range(4))
+
+
+@pytest.mark.parametrize("kind", ["dynamic-range", "cancellation", "zeros", "subnormal"])
+def test_honest_reductions_stay_within_the_bound_in_many_blocks(kind, monkeypatch):
+    """The honest reductions above with the local terms folded in many small blocks."""
+    from sdcguard.checks import reduce_checksum
+    monkeypatch.setattr(reduce_checksum, "BLOCK_BYTES", 64 * 11)
+    monkeypatch.setattr(reduce_checksum, "BLOCKED_FROM_BYTES", 0)
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(len(kind) + 1)
+        weights = ChecksumWeights(seed=10)
+        for trial, n in enumerate([1000, 20000 + 7]):
+            grads = adversarial(kind, 3, n, dtype, gen)
+            weights.begin_step(trial)
+            x, y, shape = vote(grads, honest_mean(grads, dtype, torch.randperm(3, generator=gen).tolist()), weights)
+            assert judge_checksum(x, y, shape) is None, (kind, n, x, y)
+
+
 @pytest.mark.parametrize("kind", ["dynamic-range", "cancellation", "zeros", "subnormal"])
 def test_honest_reductions_stay_within_the_bound_with_the_fused_terms(kind):
     """The same honest reductions as above, each rank's local terms from the fused formula."""

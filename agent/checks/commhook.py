@@ -9,10 +9,10 @@ told apart, so what checks 1a, 2 and 4 need is recorded here, per bucket, on the
     replay on another node);
 and on the way out, the reduced gradient's checksum alone (check 4, and check 1b: it is finite
 exactly when the reduced bucket is). With a comm hook DDP leaves the 1/W scaling of the bucket
-to the hook (its reducer does it while it copies the gradients in only without one): one more
-read. So the torch path reads a bucket four times per step (fold, norm, scaling, reduced fold);
-where the fused Triton kernel runs (``fingerprint.triton_checksum``, CUDA) the first three are
-one pass, and a gradient byte is read twice in all.
+to the hook (its reducer does it while it copies the gradients in only without one). The fold,
+the norm and the scaling share one read of the local bucket (``ChecksumWeights.terms``: the fused
+Triton kernel on CUDA, cache-sized blocks copied once on CPU), the reduced fold is the second:
+a gradient byte is read twice per step in all.
 
 The reduction itself is delegated to an inner hook (plain all-reduce by default), so sdcguard
 composes with compression hooks and the drill can put a fault inside the all-reduce.
@@ -116,11 +116,13 @@ class GradientRecorder:
         self.pending[bucket.index()] = (indices, fingerprint_sums(bucket.gradients()))
 
     def fingerprints(self) -> dict[int, Fingerprint]:
-        """This step's local-gradient fingerprints by parameter index (audit steps only)."""
-        out: dict[int, Fingerprint] = {}
-        for indices, sums in self.pending.values():
-            out.update(zip(indices, to_fingerprints(sums)))
-        return out
+        """This step's local-gradient fingerprints by parameter index (audit steps only): every
+        bucket's sums in one read to the host, not one per bucket."""
+        if not self.pending:
+            return {}
+        entries = list(self.pending.values())
+        every = iter(to_fingerprints(torch.cat([sums for _, sums in entries])))
+        return {index: next(every) for indices, _ in entries for index in indices}
 
 
 def record_then_reduce(
@@ -140,7 +142,7 @@ def record_then_reduce(
             state.reduced[index] = state.weights.checksum(index, reduced)
             return reduced
 
-        # The local terms and DDP's 1/W scaling in one call (one pass where the fused kernel runs).
+        # The local terms and DDP's 1/W scaling in one call: one read of the bucket.
         state.local[index] = state.weights.terms(index, buffer, scale=1.0 / _size(state.inner_state))
         return _start_sum(state.inner_state, buffer).then(record_mean)
 

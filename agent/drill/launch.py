@@ -57,8 +57,12 @@ Pipeline parallel (--pp M --replicate R, M = 2 or 3): the model split into M sta
 the last stage holds the head and the loss), each stage replicated R >= 2 times by DDP: rank r holds stage r % M of replica r // M (a
 replica's pipeline on M consecutive ranks, so the replay ring, the same stage of another replica,
 crosses nodes). A fault's param= / site= must name what its rank's stage holds; a reduce-* fault
-without a rank strikes the stage holding its parameter. The schedule's first step is never audited;
-with --on-alarm resume a pipeline resumes from a checkpoint (--checkpoint-every K).
+without a rank strikes the stage holding its parameter. With DDP the schedule's first step is never
+audited; with --on-alarm resume a pipeline resumes from a checkpoint (--checkpoint-every K).
+With --shard S (--pp M --shard S --replicate R, R default 1) each stage is sharded by FSDP2 over
+its R x S ranks instead: R x S pipelines (rank r: pipeline r // M, shard (r // M) % S of replica
+r // (M x S)); R = 1 is pure FSDP (a weight or optimizer fault then escapes: no replica for check 3),
+R >= 2 HSDP. --pp with --tp is refused (pipeline x tensor parallelism is not supported).
 
 Exit status: 0 passed, 1 a fault missed or misattributed / an unsafe resume / an unexplained
 alarm, 2 bad input, 3 the run itself failed."""
@@ -80,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default 1); the job has R x S x T ranks")
     parser.add_argument("--pp", type=int, metavar="M", default=1,
                         help="pipeline parallel: the model split into M stages (2 or 3) on M consecutive ranks, "
-                             "each stage replicated R times by DDP (needs --replicate R >= 2); the job has R x M ranks")
+                             "each stage replicated R times by DDP (needs --replicate R >= 2; the job has R x M "
+                             "ranks) or, with --shard S, sharded by FSDP2 over R x S ranks (R x S x M ranks)")
     parser.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"), default="1f1b",
                         help="with --pp: the pipeline schedule (default 1f1b; interleaved: interleaved 1F1B, two "
                              "stages per rank, --pp 2 only)")
@@ -254,29 +259,52 @@ def _pp(args: argparse.Namespace) -> int:
         if args.schedule != "1f1b":
             raise DrillInputError("--schedule needs --pp M (a pipeline of M >= 2 stages)")
         return 1
-    if args.shard is not None or (args.tp or 1) > 1:
-        raise DrillInputError("--pp with --shard or --tp is not drilled yet: the pipeline drill replicates each "
-                              "stage with DDP (--pp M --replicate R)")
+    if (args.tp or 1) > 1:
+        raise DrillInputError("--pp with --tp: pipeline x tensor parallelism is not supported (sdcguard's pipeline "
+                              "layout refuses tensor-parallel stages); drill a pipeline with --pp M --replicate R "
+                              "(DDP over each stage) or --pp M --shard S [--replicate R] (FSDP2), or tensor "
+                              "parallelism with --tp T --shard S")
     if pp > 3:
         raise DrillInputError(f"--pp {pp}: the drill model has three layers, so at most 3 stages")
     if args.schedule == "interleaved" and pp != 2:
         raise DrillInputError(f"--schedule interleaved needs --pp 2: two stages per rank, and the drill model has "
                               f"four parts (not {2 * pp} stages)")
+    if args.shard is not None:
+        if args.shard < 1:
+            raise DrillInputError("--shard must be >= 1")
+        if args.replicate is not None and args.replicate < 1:
+            raise DrillInputError("--replicate must be >= 1")
+        if args.shard == 1 and (args.replicate or 1) < 2:
+            raise DrillInputError("--pp with --shard 1 needs --replicate R >= 2 (R replicas of each stage's unsharded "
+                                  "FSDP2 units); one rank per stage has nothing to compare with")
+        return pp
     if args.replicate is None or args.replicate < 2:
         raise DrillInputError("--pp needs --replicate R >= 2: each stage is compared with its replicas "
-                              "(one replica of a stage has nothing to compare with)")
+                              "(one replica of a stage has nothing to compare with; or shard each stage: "
+                              "--shard S)")
     return pp
 
 
 def _pipeline_config(args: argparse.Namespace, pp: int) -> dict[str, Any]:
-    """The pipeline drill's config: R replicas of M consecutive ranks (drill/pipeline.py)."""
-    replicate = args.replicate
+    """The pipeline drill's config: R replicas of M consecutive ranks (drill/pipeline.py); with
+    --shard S, R x S pipelines of M consecutive ranks, each stage sharded by FSDP2 over its R x S ranks."""
+    shard = args.shard
+    per_stage = shard or 1  # ranks per stage per replica
     if args.world_size is None and args.nodes is None:
-        nodes, world = _layout(None, replicate * pp, args.ranks_per_node)
+        replicate = args.replicate if args.replicate is not None else 1
+        nodes, world = _layout(None, replicate * per_stage * pp, args.ranks_per_node)
     else:
         nodes, world = _layout(args.nodes, args.world_size, args.ranks_per_node)
-    if replicate * pp != world:
-        raise DrillInputError(f"--replicate {replicate} x --pp {pp} = {replicate * pp} ranks, but the job has {world}")
+        if args.replicate is None and world % (per_stage * pp):
+            raise DrillInputError(f"{f'--shard {shard} x ' if shard else ''}--pp {pp} does not divide the job's "
+                                  f"{world} ranks")
+        replicate = args.replicate if args.replicate is not None else world // (per_stage * pp)
+    what = f"--replicate {replicate}{f' x --shard {shard}' if shard else ''} x --pp {pp}"
+    if replicate * per_stage * pp != world:
+        raise DrillInputError(f"{what} = {replicate * per_stage * pp} ranks, but the job has {world}")
+    if shard is not None and replicate * shard < 2:
+        raise DrillInputError(f"{what}: one rank per stage has nothing to compare with: give --shard S >= 2 or "
+                              "--replicate R >= 2")
     if args.on_alarm == "resume" and not args.checkpoint_every:
         raise DrillInputError("--pp with --on-alarm resume needs --checkpoint-every K: a pipeline resumes through "
                               "guard.load_checkpoint, whose first step reduces as the uninterrupted run did "
@@ -284,10 +312,11 @@ def _pipeline_config(args: argparse.Namespace, pp: int) -> dict[str, Any]:
     from . import pipeline
     try:
         faults = [parse_fault(text, world) for text in args.inject]
-        pipeline.check_faults(faults, pp, args.schedule)
+        pipeline.check_faults(faults, pp, args.schedule, shard)
     except FaultSpecError as exc:
         raise DrillInputError(str(exc)) from None
-    return _common(args, {"pp": pp, "replicate": replicate, "schedule": args.schedule}, nodes, world, faults)
+    layout = {"pp": pp, "replicate": replicate, "schedule": args.schedule, **({"shard": shard} if shard else {})}
+    return _common(args, layout, nodes, world, faults)
 
 
 def _tp(args: argparse.Namespace) -> int:
@@ -404,9 +433,17 @@ def _print_header(cfg: dict[str, Any]) -> None:
     faults = ", ".join(str(FaultSpec(**f)) for f in cfg["faults"]) or "none"
     if cfg.get("pp"):
         pp = cfg["pp"]
-        print(f"[drill] pipeline: {pp} stages ({cfg['schedule']}) x {cfg['replicate']} replicas (DDP over each "
-              f"stage); rank r holds stage r % {pp} of replica r // {pp}", flush=True)
-    if cfg.get("shard"):
+        if cfg.get("shard"):
+            shard, replicate = cfg["shard"], cfg["replicate"]
+            mesh = (f"HSDP {replicate} replicas x {shard} shards" if replicate > 1
+                    else f"pure FSDP over {shard} ranks, one replica: no check 3")
+            print(f"[drill] pipeline: {pp} stages ({cfg['schedule']}), each sharded by FSDP2 ({mesh}); rank r holds "
+                  f"stage r % {pp} of pipeline r // {pp}, shard (r // {pp}) % {shard} of replica "
+                  f"r // {pp * shard}", flush=True)
+        else:
+            print(f"[drill] pipeline: {pp} stages ({cfg['schedule']}) x {cfg['replicate']} replicas (DDP over each "
+                  f"stage); rank r holds stage r % {pp} of replica r // {pp}", flush=True)
+    elif cfg.get("shard"):
         mesh = (f"HSDP {cfg['replicate']} replicas x {cfg['shard']} shards" if cfg["replicate"] > 1
                 else f"FSDP over {cfg['shard']} ranks (one replica)")
         tp = cfg.get("tp", 1)

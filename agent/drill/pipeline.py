@@ -1,9 +1,14 @@
 """The pipeline drill (``sdcguard drill --pp M --replicate R``): the drill model split into M
 stages (``torch.distributed.pipelining``; 2M under ``--schedule interleaved``, two per rank), each
 stage replicated R times by DDP, under sdcguard's :class:`~sdcguard.layouts.pipeline.Pipeline` layout.
+With ``--shard S`` each stage is sharded by FSDP2 instead (``fully_shard`` per layer with
+parameters, then the stage) over the R x S ranks holding it: pure FSDP (R = 1: check 3 has no
+replica to compare) or HSDP (R >= 2).
 
 Rank ``r`` holds stage ``r % M`` of replica ``r // M``: a replica's pipeline is M consecutive
-ranks (a ``("dp", "pp")`` mesh), so with M dividing ``--ranks-per-node`` (or a multiple of it) each
+ranks (a ``("dp", "pp")`` mesh; sharded, ``("dp_replicate", "dp_shard", "pp")``: pipeline ``r // M``
+is shard ``(r // M) % S`` of data-parallel replica ``r // (M S)``), so with M dividing
+``--ranks-per-node`` (or a multiple of it) each
 replica's stages share nodes and the replay ring — the same stage of another replica — crosses
 nodes (the layout picks the ring itself, ``checks/pipeline.ring_shift``). A fault names a target
 its rank's stage holds; without ``site=`` / ``param=`` it strikes its stage's default (the
@@ -120,10 +125,14 @@ def faults_of_rank(faults: Iterable[FaultSpec], rank: int, pp: int, schedule: st
     return out
 
 
-def check_faults(faults: Iterable[FaultSpec], pp: int, schedule: str = "1f1b") -> None:
+def check_faults(faults: Iterable[FaultSpec], pp: int, schedule: str = "1f1b", shards: int | None = None) -> None:
     """Every fault against the stage it strikes, before any process starts: the stage must hold
-    its target, and the target its element."""
+    its target, and the target its element (with ``shards``, FSDP2 over each stage: a fault on a
+    rank's local shard, against the shard of each rank it strikes)."""
     from ..faults.injector import FaultInjector
+    from ..faults.sharded import check_sharded_fault
+    from ..faults.spec import SHARD_SIDE
+    from ..faults.targets import resolve_parameter
     from .model import DrillModel
     for fault in faults:
         resolved = resolve_fault(fault, pp, schedule)
@@ -132,6 +141,15 @@ def check_faults(faults: Iterable[FaultSpec], pp: int, schedule: str = "1f1b") -
         module = DrillStage(DrillModel(), layers_at(position, pp, schedule))
         optimizer = torch.optim.SGD(module.parameters(), lr=0.0)
         FaultInjector([resolved], resolved.rank or 0).install(module, optimizer)
+        if shards is not None and resolved.info.corrupts in SHARD_SIDE:
+            name, parameter = resolve_parameter(module, target)  # type: ignore[arg-type]
+            check_sharded_fault(resolved, name, tuple(parameter.shape), shards,
+                                lambda rank: shard_of(rank, pp, shards), resolved.element or 0)
+
+
+def shard_of(rank: int, pp: int, shards: int) -> int:
+    """The FSDP2 shard of its stage that ``rank`` holds (``--pp M --shard S``)."""
+    return replica_of(rank, pp) % shards
 
 
 # -- the stages and the step (inside a worker) ---------------------------------------------------------
@@ -174,6 +192,8 @@ class PipelineTrainer:
     first: bool
     last: bool
     pp_group: Any
+    sharded_replicas: int = 0
+    """FSDP2 stages: R, the replicas of each shard (clipping sums every rank's shard); 0: DDP."""
 
 
 def micro_batches(cfg: dict[str, Any]) -> int:
@@ -186,8 +206,9 @@ def micro_batches(cfg: dict[str, Any]) -> int:
 
 def build(cfg: dict[str, Any], rank: int, device: torch.device, injector: Any, mesh: Any) -> PipelineTrainer:
     """Every rank builds the whole seeded drill model and keeps its stages' layers; DDP over each
-    stage's replicas (``find_unused_parameters``: see docs/pipeline.md), the schedule, AdamW,
-    the faults' hooks, and the Guard with the injector's reduce hook inside sdcguard's."""
+    stage's replicas (``find_unused_parameters``: see docs/pipeline.md) or, with ``shard``, FSDP2
+    over the ranks holding the stage; the schedule, AdamW, the faults' hooks, and the Guard (DDP:
+    with the injector's reduce hook inside sdcguard's; FSDP2: the injector on its recorders)."""
     import torch.distributed.pipelining as pipelining
     from torch.nn.parallel import DistributedDataParallel
     from ..guard import Guard
@@ -201,22 +222,45 @@ def build(cfg: dict[str, Any], rank: int, device: torch.device, injector: Any, m
     indices = stages_at(position, pp, schedule_name)
     modules = [DrillStage(model, table[k]) for k in indices]
     mine = DrillStage(model, layers_at(position, pp, schedule_name))  # the same layers, all stages
-    dp_group, pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
-    ddps = [DistributedDataParallel(m, process_group=dp_group, find_unused_parameters=True,
-                                    device_ids=[device.index] if device.type == "cuda" else None) for m in modules]
-    stages = [pipelining.PipelineStage(d, k, len(table), device, group=pp_group) for d, k in zip(ddps, indices)]
+    pp_group = mesh["pp"].get_group()
+    if cfg.get("shard"):
+        replicated = shard_stages(modules, mesh, cfg["replicate"])
+    else:
+        dp_group = mesh["dp"].get_group()
+        replicated = [DistributedDataParallel(m, process_group=dp_group, find_unused_parameters=True,
+                                              device_ids=[device.index] if device.type == "cuda" else None)
+                      for m in modules]
+    stages = [pipelining.PipelineStage(d, k, len(table), device, group=pp_group) for d, k in zip(replicated, indices)]
     if schedule_name == "interleaved":
         schedule = pipelining.ScheduleInterleaved1F1B(stages, micro_batches(cfg), loss_fn=pipeline_loss)
     else:
         kind = {"1f1b": pipelining.Schedule1F1B, "gpipe": pipelining.ScheduleGPipe}[schedule_name]
         schedule = kind(stages[0], micro_batches(cfg), loss_fn=pipeline_loss)
     optimizer = torch.optim.AdamW(mine.parameters(), lr=1e-2)
-    injector.install(mine, optimizer)  # the faults of this rank's stages, targets spelled out
-    reduce_hook, reduce_state = injector.reduce_hook_around(inner_state=dp_group)
-    guard = Guard(schedule, optimizer, config=drill_config(cfg, rank), reduce_hook=reduce_hook,
-                  reduce_state=reduce_state)
+    if cfg.get("shard"):  # FSDP2 stages: the faults strike through each stage's recorder
+        guard = Guard(schedule, optimizer, config=drill_config(cfg, rank))
+        injector.install(guard, model=mine)  # the faults of this rank's stages, targets spelled out
+    else:
+        injector.install(mine, optimizer)  # the faults of this rank's stages, targets spelled out
+        reduce_hook, reduce_state = injector.reduce_hook_around(inner_state=dp_group)
+        guard = Guard(schedule, optimizer, config=drill_config(cfg, rank), reduce_hook=reduce_hook,
+                      reduce_state=reduce_state)
     return PipelineTrainer(mine, optimizer, guard, schedule, any(st.is_first for st in stages),
-                           any(st.is_last for st in stages), pp_group)
+                           any(st.is_last for st in stages), pp_group, cfg["replicate"] if cfg.get("shard") else 0)
+
+
+def shard_stages(modules: list[nn.Module], mesh: Any, replicate: int) -> list[nn.Module]:
+    """FSDP2 over each stage, as torchtitan shards one: ``fully_shard`` on each layer holding
+    parameters, then on the stage, over the ranks holding the stage (HSDP's (replicate, shard) mesh;
+    pure FSDP's shard mesh when R = 1)."""
+    from torch.distributed.fsdp import fully_shard
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
+    for module in modules:
+        for child in module.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child, mesh=dp_mesh)
+        fully_shard(module, mesh=dp_mesh)
+    return modules
 
 
 def train_step(cfg: dict[str, Any], job: PipelineTrainer, rank: int, step: int) -> torch.Tensor:
@@ -232,7 +276,7 @@ def train_step(cfg: dict[str, Any], job: PipelineTrainer, rank: int, step: int) 
     with job.guard.step(step) as s:
         s.run_schedule(*((x,) if job.first else ()), target=y if job.last else None, losses=losses)
         s.check()
-        clip_over_pipeline(job.model, job.pp_group, 1.0)
+        clip_over_pipeline(job.model, job.pp_group, 1.0, job.sharded_replicas)
         job.optimizer.step()
         job.optimizer.zero_grad(set_to_none=True)
     loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
@@ -240,13 +284,18 @@ def train_step(cfg: dict[str, Any], job: PipelineTrainer, rank: int, step: int) 
     return loss
 
 
-def clip_over_pipeline(module: nn.Module, pp_group: Any, max_norm: float) -> None:
+def clip_over_pipeline(module: nn.Module, pp_group: Any, max_norm: float, sharded_replicas: int = 0) -> None:
     """Clip the whole replica's gradient (torchtitan's ``clip_grad_norm_`` under PP): each stage's
-    squared norm summed over the pipeline group."""
+    squared norm summed over the pipeline group. FSDP2 stages (``sharded_replicas`` = R): each
+    rank's local shards summed over the whole job, where every shard is held R times."""
     import torch.distributed as dist
     grads = [p.grad for p in module.parameters() if p.grad is not None]
-    total = torch.stack([g.pow(2).sum() for g in grads]).sum()
-    dist.all_reduce(total, group=pp_group)
+    total = torch.stack([_local(g).pow(2).sum() for g in grads]).sum()
+    if sharded_replicas:
+        dist.all_reduce(total)
+        total = total / sharded_replicas
+    else:
+        dist.all_reduce(total, group=pp_group)
     coef = min(1.0, max_norm / (float(total.sqrt()) + 1e-6))
     for g in grads:
         g.mul_(coef)
@@ -257,7 +306,12 @@ def weights_digest(job: PipelineTrainer) -> str:
     same on every rank when the replicas of every stage agree."""
     import torch.distributed as dist
     from ..fingerprint import digest, fingerprint
-    mine = digest(fingerprint(p.detach()) for p in job.model.parameters()).hex()
+    full = (p.full_tensor() if hasattr(p, "full_tensor") else p for p in job.model.parameters())  # FSDP2: gathered
+    mine = digest(fingerprint(p.detach()) for p in full).hex()
     every: list[Any] = [None] * dist.get_world_size(job.pp_group)
     dist.all_gather_object(every, mine, group=job.pp_group)
     return hashlib.sha256(":".join(every).encode()).hexdigest()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

@@ -23,9 +23,12 @@ def build_report(cfg: dict[str, Any], results: list[dict[str, Any]], alarms: lis
     stopped_at = results[0]["stopped_at_step"]
     plan = Schedule(cfg["steps"], cfg["audit_every"], cfg["weight_check_every"], cfg["nodes"], cfg["checkpoint_every"],
                     checks_weights=not cfg.get("shard") or cfg["replicate"] > 1,  # pure FSDP: no check 3
-                    checks_updates=bool(cfg.get("shard")) and cfg["replicate"] == 1 and cfg.get("tp", 1) == 1,  # its update re-run (AdamW)
+                    # pure FSDP's update re-run (AdamW); not over pipeline stages
+                    checks_updates=bool(cfg.get("shard")) and cfg["replicate"] == 1 and cfg.get("tp", 1) == 1
+                    and not cfg.get("pp"),
                     tp=cfg.get("tp", 1),
-                    pipeline=pipeline_grid(cfg["world_size"], cfg["pp"]) if cfg.get("pp") else None)
+                    pipeline=pipeline_grid(cfg["world_size"], cfg["pp"]) if cfg.get("pp") else None,
+                    pipeline_audits_first_step=bool(cfg.get("shard")))  # FSDP2 stages: step 0 is audited too
     recoveries = _recoveries(results[0]["recoveries"], alarms)
     verdict: Judgement = judge_faults(faults, alarms, plan, stopped_at=stopped_at,
                                       resumed_at={r["alarm"]: r["resume_step"] for r in recoveries})

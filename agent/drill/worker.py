@@ -1,7 +1,7 @@
 """One rank of a drill: real DDP training of the drill model, with faults injected; with ``shard``
 in the config, the model sharded by FSDP2 instead (``fully_shard`` per layer, then the root) over
 the ``(replicate, shard)`` mesh of consecutive ranks the drill's parent checked; with ``pp``, the
-model split into pipeline stages replicated by DDP (``drill/pipeline.py``).
+model split into pipeline stages replicated by DDP or sharded by FSDP2 (``drill/pipeline.py``).
 
 Started by ``sdcguard drill`` as ``python -m sdcguard.drill.worker CONFIG.json`` with ``RANK`` and
 ``WORLD_SIZE`` set; everything else (the checks' settings, the spool, each rank's pod and node)
@@ -63,6 +63,9 @@ def _device_mesh(cfg: dict[str, Any]) -> Any:
     ``(dp_replicate, dp_shard)`` out."""
     from torch.distributed.device_mesh import init_device_mesh
     kind = "cuda" if cfg["backend"] == "nccl" else "cpu"
+    if cfg.get("pp") and cfg.get("shard"):  # rank r: stage r % M of pipeline r // M, FSDP2 over each stage
+        return init_device_mesh(kind, (cfg["replicate"], cfg["shard"], cfg["pp"]),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "pp"))
     if cfg.get("pp"):  # rank r: stage r % M of replica r // M (drill/pipeline.py)
         return init_device_mesh(kind, (cfg["replicate"], cfg["pp"]), mesh_dim_names=("dp", "pp"))
     if not cfg.get("shard"):
@@ -167,7 +170,8 @@ def train(cfg: dict[str, Any], rank: int, mesh: Any = None) -> dict[str, Any]:
         torch.cuda.set_device(device)
     specs = [FaultSpec(**f) for f in cfg["faults"]]
     if cfg.get("pp"):  # the faults striking this rank's stage, targets spelled out
-        injector: Any = FaultInjector(pipeline.faults_of_rank(specs, rank, cfg["pp"], cfg["schedule"]), rank)
+        mine = pipeline.faults_of_rank(specs, rank, cfg["pp"], cfg["schedule"])
+        injector: Any = ShardedFaultInjector(mine, rank) if cfg.get("shard") else FaultInjector(mine, rank)
     else:
         injector = ShardedFaultInjector(specs, rank) if mesh is not None else FaultInjector(specs, rank)
     job = build(cfg, rank, device, injector, mesh)

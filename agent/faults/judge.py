@@ -60,8 +60,11 @@ class Schedule:
     rank's forward reaches its whole group through the activation collectives: the group is named."""
     pipeline: tuple[tuple[int, int], ...] | None = None
     """Pipeline parallelism: ``(replica, position)`` of every rank (None: no pipeline). The
-    schedule's first step (step 0) is never audited (its shape inference primes DDP's reducer); an
-    ambiguous alarm must name ranks of the faulted rank's stage (check 1: of its replica)."""
+    schedule's first step (step 0) is not audited with DDP stages (its shape inference primes DDP's
+    reducer); an ambiguous alarm must name ranks of the faulted rank's stage (check 1: of its replica)."""
+    pipeline_audits_first_step: bool = False
+    """The pipeline's stages are sharded by FSDP2: its shape inference reduces nothing, so step 0
+    is audited like any other step."""
 
     @classmethod
     def of(cls, guard: Any, steps: int, checkpoint_every: int | None = None) -> Schedule:
@@ -74,17 +77,18 @@ class Schedule:
         mesh = getattr(layout, "mesh", None)
         at = getattr(getattr(layout, "grid", None), "at", None)  # a pipeline's grid (layouts/pipeline.py)
         pipeline = None if at is None else tuple(at[r] for r in range(topology.world_size))
+        first = bool(getattr(getattr(layout, "replicas", None), "audits_first_step", False))
         return cls(steps, cfg.audit_every if replicas else 0, cfg.weight_check_every, topology.nodes,
                    configured if checkpoint_every is None else checkpoint_every,
                    replicas and bool(configured) and getattr(cfg, "audit_checkpoints", False),
                    replicas and layout.checks_reduction,
                    layout.checks_weights or not replicas,  # sharded: check 3 needs a second replica of each shard
                    getattr(layout, "checks_updates", False),  # pure FSDP: its update re-run
-                   mesh.tp if mesh is not None else 1, pipeline)
+                   mesh.tp if mesh is not None else 1, pipeline, first)
 
     def audits(self, step: int) -> bool:
-        if self.pipeline is not None and step == 0:
-            return False  # a pipeline schedule's first step: see ``pipeline``
+        if self.pipeline is not None and step == 0 and not self.pipeline_audits_first_step:
+            return False  # a DDP-replicated pipeline schedule's first step: see ``pipeline``
         if self.audit_checkpoints and self.checkpoints(step):
             return True
         return self.audit_every > 0 and step % self.audit_every == 0

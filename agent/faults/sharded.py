@@ -7,6 +7,10 @@
         injector.begin_step(step)
         ...  # the user's loop under guard.step
 
+On a pipeline whose stages FSDP2 shards (``Guard(schedule, optimizer)``), ``install(guard,
+model=MODULE)`` finds parameters in the stages this rank holds (each stage's recorder, names as in
+the stage module) and resolves ``site`` in ``MODULE``; give it only the faults of this rank's stages.
+
 Same grammar as ``faults.spec``; ``element=N`` indexes the parameter's flattened tensor as this
 rank sees it where the fault strikes:
 
@@ -51,12 +55,13 @@ log = logging.getLogger("sdcguard.faults")
 
 
 class _ShardTarget:
-    """One fault's parameter: its unit, its offset in the unit's reduce-scatter row, its layout (for
-    a forward kind: the module, under a negative key of its own in place of a unit)."""
+    """One fault's parameter: its unit (``(stage, unit)``: a pipeline rank's stages each have their
+    own units), its offset in the unit's reduce-scatter row, its layout (for a forward kind: the
+    module, under a negative key of its own in place of a unit)."""
 
     __slots__ = ("name", "fsdp_param", "unit", "offset", "element")
 
-    def __init__(self, name: str, fsdp_param: Any, unit: int, offset: int, element: int) -> None:
+    def __init__(self, name: str, fsdp_param: Any, unit: Any, offset: int, element: int) -> None:
         self.name, self.fsdp_param, self.unit, self.offset, self.element = name, fsdp_param, unit, offset, element
 
     @property
@@ -85,24 +90,29 @@ class ShardedFaultInjector:
         self._handles: list[Any] = []
         self._shards = 1
 
-    def install(self, guard: Guard, *, param: str | None = None, site: str | None = None, element: int = 0) -> None:
+    def install(self, guard: Guard, *, param: str | None = None, site: str | None = None, element: int = 0,
+                model: torch.nn.Module | None = None) -> None:
         """Find every fault's parameter (``param=`` in the fault, else ``param``) or, for the
-        forward kinds, module (``site=``, else ``site``) in the Guard's sharded model and attach
-        the hooks. Install after the Guard (it owns the reduce hooks). Installing again (a rebuilt
-        job's Guard) moves the hooks to it; what already struck, and what was disarmed, is kept."""
+        forward kinds, module (``site=``, else ``site``; resolved in ``model``, default the Guard's
+        module) in the Guard's sharded model and attach the hooks. On a pipeline whose stages
+        FSDP2 shards, each stage this rank holds has its own recorder, and a parameter is named as
+        in its stage module. Install after the Guard (it owns the reduce hooks). Installing again
+        (a rebuilt job's Guard) moves the hooks to it; what already struck, and what was disarmed,
+        is kept."""
         self.remove()
         self.targets = []
-        recorder = guard.layout.recorder
-        layout = recorder.layout
+        stages = _stage_recorders(guard)
+        layout = stages[0][0].layout
         self._shards = layout.shards
-        where = _locate(recorder, {id(p): n for n, p in guard.named_parameters})
+        where = {name: (i, *found) for i, (recorder, names) in enumerate(stages)
+                 for name, found in _locate(recorder, names).items()}
         for fault in self.faults:
             index = fault.element if fault.element is not None else element
             if fault.info.corrupts == "forward":
                 path = fault.site if fault.site is not None else site
                 if path is None:
                     raise FaultTargetError(f"{fault} strikes a module's output: pass site='PATH' to install()")
-                name, module = resolve_module(guard.module, path)
+                name, module = resolve_module(model if model is not None else guard.module, path)
                 key = -1 - len(self.targets)  # a forward target's own key where a unit would be
                 self.targets.append(_ShardTarget(name, module, key, 0, index))
                 self._handles.append(module.register_forward_hook(self._on_forward(key)))
@@ -110,7 +120,7 @@ class ShardedFaultInjector:
             name = fault.param if fault.param is not None else param
             if name is None or name not in where:
                 raise FaultTargetError(f"{fault}: no sharded parameter {name!r}; it has: {', '.join(where)}")
-            unit, offset, fsdp_param = where[name]
+            stage, unit, offset, fsdp_param = where[name]
             if fault.info.corrupts in SHARD_SIDE:
                 shard = layout.coordinates(self.rank)["shard"]
                 held = shard_numel(tuple(fsdp_param._orig_size), layout.shards, shard)
@@ -120,12 +130,19 @@ class ShardedFaultInjector:
                 if not 0 <= index < numel:
                     raise FaultTargetError(f"{fault}: element {index} is out of range for {name} (shape "
                                            f"{tuple(fsdp_param._orig_size)}), which has {numel} elements")
-            self.targets.append(_ShardTarget(name, fsdp_param, unit, offset, index))
-        recorder.before_reduce_scatter.append(self._on_local_gradient)
-        recorder.after_reduction.append(self._on_reduced_shard)
-        self._handles.append(_Detach(recorder.before_reduce_scatter, self._on_local_gradient))
-        self._handles.append(_Detach(recorder.after_reduction, self._on_reduced_shard))
+            self.targets.append(_ShardTarget(name, fsdp_param, (stage, unit), offset, index))
+        for stage, (recorder, _) in enumerate(stages):
+            on_local, on_reduced = self._stage_hooks(stage)
+            recorder.before_reduce_scatter.append(on_local)
+            recorder.after_reduction.append(on_reduced)
+            self._handles.append(_Detach(recorder.before_reduce_scatter, on_local))
+            self._handles.append(_Detach(recorder.after_reduction, on_reduced))
         self._handles.append(guard.optimizer.register_step_post_hook(self._after_optimizer_step))
+
+    def _stage_hooks(self, stage: int) -> tuple[Any, Any]:
+        """The recorder hooks of one stage's units (keyed ``(stage, unit)``; one stage without a pipeline)."""
+        return (lambda unit, flat: self._on_local_gradient((stage, unit), flat),
+                lambda unit, flat: self._on_reduced_shard((stage, unit), flat))
 
     def remove(self) -> None:
         """Detach every hook this injector attached."""
@@ -161,7 +178,7 @@ class ShardedFaultInjector:
             return output
         return on_output
 
-    def _on_local_gradient(self, unit: int, flat: torch.Tensor) -> None:
+    def _on_local_gradient(self, unit: tuple[int, int], flat: torch.Tensor) -> None:
         for i in self._due("grad", unit):
             t = self.targets[i]
             j, within = _row_of(t.element, t.fsdp_param._orig_size, t.fsdp_param.padded_sharded_param_size[0])
@@ -171,7 +188,7 @@ class ShardedFaultInjector:
             else:  # grad-bitflip: the top mantissa bit, a finite result
                 _flip_bit(row, t.offset + within, bit=_mantissa_bit(row, 1))
 
-    def _on_reduced_shard(self, unit: int, flat: torch.Tensor) -> None:
+    def _on_reduced_shard(self, unit: tuple[int, int], flat: torch.Tensor) -> None:
         for i in self._due("reduce", unit):
             t = self.targets[i]
             at = t.offset + t.element
@@ -188,7 +205,7 @@ class ShardedFaultInjector:
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
-    def _due(self, corrupts: str, unit: int | None = None, kinds: set[str] | None = None) -> list[int]:
+    def _due(self, corrupts: str, unit: Any = None, kinds: set[str] | None = None) -> list[int]:
         due = []
         for i, fault in enumerate(self.faults):
             if i in self._disarmed or fault.info.corrupts != corrupts or self.step is None or not fault.fires_at(self.step):
@@ -269,6 +286,20 @@ def _row_of(element: int, size: torch.Size, chunk_rows: int) -> tuple[int, int]:
     line = element // per_row
     row = line // chunk_rows
     return row, (line - row * chunk_rows) * per_row + element % per_row
+
+
+def _stage_recorders(guard: Any) -> list[tuple[Any, dict[int, str]]]:
+    """``(ShardedRecorder, parameter names by id)`` of each sharded model the Guard checks: the one
+    model, or each FSDP2 pipeline stage this rank holds (its parameters named as in the stage
+    module, without the layout's ``stage<k>.`` prefix)."""
+    layout = guard.layout
+    if hasattr(layout, "recorder"):
+        return [(layout.recorder, {id(p): n for n, p in guard.named_parameters})]
+    replicas = getattr(layout, "replicas", None)
+    if replicas is None or getattr(replicas, "kind", None) != "FSDP2":
+        raise FaultTargetError("the sharded fault injector needs a model (or pipeline stages) sharded by FSDP2")
+    return [(recorder, {id(p): n for n, p in module.named_parameters()})
+            for recorder, module in zip(replicas.recorders, replicas.modules)]
 
 
 def _locate(recorder: Any, names: dict[int, str]) -> dict[str, tuple[int, int, Any]]:

@@ -108,8 +108,9 @@ def _cpu_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def to_fingerprints(sums: torch.Tensor) -> list[Fingerprint]:
-    """Turn :func:`fingerprint_sums` output into unsigned fingerprints (one host transfer)."""
-    return [Fingerprint(s0 & _MASK, s1 & _MASK) for s0, s1 in sums.cpu().tolist()]
+    """Turn :func:`fingerprint_sums` output into unsigned fingerprints (one host transfer:
+    ``tolist`` copies a device tensor to the host itself, a ``.cpu()`` first would be a second call)."""
+    return [Fingerprint(s0 & _MASK, s1 & _MASK) for s0, s1 in sums.tolist()]
 
 
 def _use_triton(tensor: torch.Tensor, backend: str) -> bool:

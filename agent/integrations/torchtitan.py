@@ -29,8 +29,14 @@ from ``train_step`` on every rank alike; ``Trainer.train`` lets it through, and 
 Parallelisms: FSDP2, HSDP and the replicate-only mesh, each also with
 ``parallelism.tensor_parallel_degree`` (torchtitan's mesh ``(dp_replicate, fsdp, tp)``: the Guard
 reads the ``tp`` dimension from the TP layers' DTensor parameters and checks every (TP, FSDP)
-position, ``layouts/tensor_parallel.py``). Refused before torchtitan builds anything, naming the
-setting (:func:`refusals`): context, expert and pipeline parallelism, and one data-parallel rank.
+position, ``layouts/tensor_parallel.py``), or with ``parallelism.pipeline_parallel_degree``
+(torchtitan's mesh ``(pp, dp_replicate, fsdp)``, FSDP2 over every stage: the Guard is built on
+torchtitan's ``pp_schedule``, ``layouts/pipeline.py``, and torchtitan's own
+``pp_forward_backward_step`` runs each step — its micro-batches, first- and last-stage arguments,
+targets, losses and the global token count as the loss's divisor — with its schedule's ``step``
+run as ``s.run_schedule``). Refused before torchtitan builds anything, naming the setting
+(:func:`refusals`): context and expert parallelism, pipeline with tensor parallelism, gradient
+accumulation or a schedule other than GPipe / 1F1B / Interleaved1F1B, and one data-parallel rank.
 
 Checkpoints: :class:`GuardedCheckpointManager` is torchtitan's DCP ``CheckpointManager`` with its
 ``_save`` / ``_load`` hooks (the ones torchtitan's ``BaseCheckpointManager`` has subclasses
@@ -43,10 +49,12 @@ shard's fingerprint digest and ranks, the mesh, the step, the audit it is covere
 checkpoint enters the run's history, so an alarm can name it as ``last_good_checkpoint``. Before
 torchtitan loads a folder (a resume), it is checked against its manifest (``sdcguard
 verify-checkpoint`` checks one offline), and after the load every rank's shards against the
-digest recorded: a folder that differs is refused on every rank.
+digest recorded: a folder that differs is refused on every rank. Under pipeline parallelism the
+manifest's entries are (pipeline position, FSDP shard) pairs, each covering its stage's tensors.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -110,6 +118,10 @@ class GuardedCheckpointManager(CheckpointManager):
     guard: Any = None
     """The Guard the checkpoints go through. torchtitan builds this manager inside
     ``Trainer.__init__``, before the Guard can exist, so :class:`GuardedTrainer` sets it after."""
+    parallel_dims: Any = None
+    """torchtitan's ``ParallelDims``, set with ``guard``: under pipeline parallelism the manifest's
+    entries are (pipeline position, FSDP shard) pairs, read from torchtitan's meshes."""
+    _where: Any = None
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         guard = self.guard
@@ -146,10 +158,13 @@ class GuardedCheckpointManager(CheckpointManager):
 
         guard = self.guard
         folder = Path(self._create_checkpoint_id(step))
-        names, mine = self._model_report()
-        reports = gather_objects(mine, None, guard.device)
-        history, layout = guard.history, guard.layout.mesh
-        verified = layout.hsdp and guard.last_weights_verified_step == step
+        where = self._placement()
+        everyone = gather_objects(self._model_report(), None, guard.device)
+        names = manifest_parameters(everyone)
+        ndims = {n: len(c[0]) for r in everyone for n, c in zip(r["names"], r["chunks"])}
+        reports = [in_manifest_order(r, names, ndims) for r in everyone]
+        history = guard.history
+        verified = len(where.grid) > 1 and guard.last_weights_verified_step == step
         plan = recovery.plan_save(history, str(folder), step, keep=False)  # torchtitan writes a new folder per step
 
         def write() -> dict[str, Any]:
@@ -159,10 +174,10 @@ class GuardedCheckpointManager(CheckpointManager):
                 "verified_at": now_rfc3339(), "run_id": guard.topology.run_id, "torch": torch.__version__,
                 "writer": "torchtitan",
             }
-            manifest = dcp_manifest.build(
-                step=step, files=files, grid=layout.grid, weights_verified=verified, model_key="",
+            manifest = where.annotate(dcp_manifest.build(
+                step=step, files=files, grid=where.grid, weights_verified=verified, model_key="",
                 state_keys=[k for k in self.states if k != "model"],
-                parameters=names, reports=reports, recorded=recorded, columns=layout.columns or None)
+                parameters=names, reports=reports, recorded=recorded, columns=where.columns))
             write_json_atomic(dcp_manifest.manifest_file(folder), json.dumps(manifest, indent=2, sort_keys=True))
             return {"sha256": manifest["sha256"]}
 
@@ -171,19 +186,34 @@ class GuardedCheckpointManager(CheckpointManager):
                                     cross_checked=verified)
         guard.history = recovery.after_save(history, plan, saved, None)
 
-    def _model_report(self) -> tuple[list[str], dict[str, Any]]:
-        """The model state torchtitan saves (``ModelWrapper.state_dict()``: its key space, e.g. the
-        fused ``wqkv`` split into ``wq`` / ``wk`` / ``wv``, replicated), this rank's part of it:
-        the tensors' names, and the fingerprint digest and chunk of this rank's pieces — what
-        ``dcp_manifest.shard_digests`` recomputes from the files (collective: the split all-gathers)."""
-        from ..fingerprint import digest, fingerprint_many
+    def _model_report(self) -> dict[str, Any]:
+        """The model state torchtitan saves (``ModelWrapper.state_dict()`` over this rank's model
+        parts: its key space, e.g. the fused ``wqkv`` split into ``wq`` / ``wk`` / ``wv``,
+        replicated), this rank's part of it: the tensors' names, and each local piece's fingerprint
+        and chunk — what ``dcp_manifest.shard_digests`` recomputes from the files (collective: the
+        split all-gathers). A pipeline stage holds only its own tensors."""
+        from ..fingerprint import fingerprint_many
         from ..sharding import dcp_manifest
         state = self.states["model"].state_dict()
         names = [n for n, t in state.items() if isinstance(t, torch.Tensor)]
         tensors = [state[n] for n in names]
         local = [(t.to_local() if hasattr(t, "to_local") else t).detach().contiguous() for t in tensors]
-        return names, {"digest": digest(fingerprint_many(local)).hex(),
-                       "chunks": [dcp_manifest.chunk_of(t) for t in tensors]}
+        return {"names": names, "fingerprints": [list(fp) for fp in fingerprint_many(local)],
+                "chunks": [dcp_manifest.chunk_of(t) for t in tensors]}
+
+    def _placement(self) -> _Placement:
+        """Which entry of the manifest's ``shards`` each rank's part of the model state is."""
+        if self._where is None:
+            dims = self.parallel_dims
+            if dims is not None and dims.pp_enabled:
+                self._where = _pipeline_placement(dims, self.guard.device)
+            else:
+                from ..sharding import dcp_manifest
+                mesh = self.guard.layout.mesh
+                self._where = _Placement([list(row) for row in mesh.grid],
+                                         [[list(row) for row in c] for c in mesh.columns] or None,
+                                         dcp_manifest.position(mesh.coordinates(mesh.rank), mesh.shards))
+        return self._where
 
     def _load_folder(self, step: int) -> Path | None:
         """The ``step-N`` folder torchtitan's ``load(step)`` will read, or None (no checkpoint yet:
@@ -207,17 +237,17 @@ class GuardedCheckpointManager(CheckpointManager):
     def _adopt(self, folder: Path, manifest: dict[str, Any]) -> None:
         """The verified checkpoint is this run's starting point: its step, what it was covered by,
         and — after torchtitan loaded it — each rank's shards against the digest the manifest records."""
-        from ..sharding import dcp_manifest
-        from ..sharding.shard_weights import fingerprint_shards
         guard = self.guard
-        layout = guard.layout.mesh
-        shard = dcp_manifest.position(layout.coordinates(layout.rank), layout.shards)  # (TP, FSDP) position
-        names, mine = self._model_report()
-        ok = names == manifest["parameters"] and mine["digest"] == manifest["shards"][shard]["digest"]
+        entry = manifest["shards"][self._placement().mine]
+        names = manifest["parameters"]
+        mine = self._model_report()
+        ndims = {n: len(c[0]) for n, c in zip(names, entry["chunks"])}
+        ok = ([n for n in names if n in set(mine["names"])] == mine["names"]
+              and in_manifest_order(mine, names, ndims)["digest"] == entry["digest"])
         agree(guard, None if ok else f"sdcguard: the weights torchtitan loaded from {folder} are not those its "
                                      "manifest records")
-        adopt(guard, str(folder), manifest,
-              fingerprint_shards(guard.named_parameters).digest.hex() if manifest.get("weights_verified") else None)
+        weights = guard.layout.fingerprint_weights() if manifest.get("weights_verified") else None
+        adopt(guard, str(folder), manifest, weights.digest.hex() if weights is not None else None)
 
 
 class GuardedTrainer(Trainer):
@@ -255,14 +285,16 @@ class GuardedTrainer(Trainer):
         defaults = {"audit_every": settings.audit_every, "weight_check_every": settings.weight_check_every}
         if settings.spool is not None:
             defaults["spool"] = settings.spool
-        self.guard = sdcguard.Guard(self.model_parts[0], self.optimizers, self._loss_of,
-                                    config=GuardConfig.from_env(**defaults))
+        guard_config = GuardConfig.from_env(**defaults)
+        if self.parallel_dims.pp_enabled:  # torchtitan's schedule, over every stage this rank holds; its loss
+            self.guard = sdcguard.Guard(self.pp_schedule, self.optimizers, config=guard_config)
+        else:
+            self.guard = sdcguard.Guard(self.model_parts[0], self.optimizers, self._loss_of, config=guard_config)
         if settings.inject:
-            from ..faults.sharded import ShardedFaultInjector
-            self.injector = ShardedFaultInjector(settings.inject, dist.get_rank())
-            self.injector.install(self.guard, param=settings.fault_param, site=settings.fault_site)
+            self.injector = _install_faults(self, settings)
         if checkpoints:
             self.checkpointer.guard = self.guard
+            self.checkpointer.parallel_dims = self.parallel_dims
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -293,8 +325,16 @@ class GuardedTrainer(Trainer):
         s = self._held.current
         if s is None:
             s = self._held.open(guard, self.step, self.gradient_accumulation_steps)
-        # torchtitan's loss is already this rank's share (a sum over the global token count): its backward, unweighted
-        loss = s.backward((dict(input_dict), labels, global_valid_tokens))
+        if self.parallel_dims.pp_enabled:
+            # torchtitan's own pp_forward_backward_step (its micro-batches, first / last stage
+            # arguments, targets, losses and the global token count as the loss's divisor), its
+            # schedule's step() run as s.run_schedule: recorded, seeded and replayed by sdcguard
+            with _schedule_through(self, s):
+                loss = super().forward_backward_step(input_dict=input_dict, labels=labels,
+                                                     global_valid_tokens=global_valid_tokens)
+        else:
+            # torchtitan's loss is already this rank's share (a sum over the global token count): its backward, unweighted
+            loss = s.backward((dict(input_dict), labels, global_valid_tokens))
         if len(s.batches) == s.micro_batches:
             s.check()
         return loss
@@ -324,22 +364,152 @@ def guarded(config: Trainer.Config, **settings: Any) -> GuardedTrainer.Config:
 
 
 
+# -- the checkpoint manifest's entries ----------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _Placement:
+    """Where each rank's part of the model state sits in sdcguard's manifest of a DCP folder."""
+
+    grid: list[list[int]]
+    """``grid[i][j]``: the rank holding entry ``j`` of replica ``i`` (an FSDP shard; under pipeline
+    parallelism a (position, shard) pair, ``j = position * shards + shard``)."""
+    columns: list[list[list[int]]] | None
+    """Tensor parallelism: every TP rank's grid (the manifest's entries are (TP, FSDP) positions)."""
+    mine: int
+    """This rank's entry in the manifest's ``shards``."""
+    positions: int = 1
+    """Pipeline positions (1: no pipeline)."""
+
+    def annotate(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """The manifest, with each entry's pipeline position when there is a pipeline (the
+        checkpoint's identity covers its files, not these fields)."""
+        if self.positions == 1:
+            return manifest
+        per_position = len(self.grid[0]) // self.positions
+        manifest["mesh"]["pipeline"] = {"positions": self.positions, "shards_per_position": per_position}
+        for entry in manifest["shards"]:
+            entry["pipeline_position"] = entry["shard"] // per_position
+        return manifest
+
+
+def _pipeline_placement(dims: Any, device: torch.device) -> _Placement:
+    """torchtitan's mesh ``(pp, dp_replicate, fsdp)``: every rank's coordinates, gathered
+    (collective), as a grid of replicas x (pipeline position, FSDP shard)."""
+    from ..checks.exchange import gather_objects
+
+    def local(name: str) -> tuple[int, int]:
+        mesh = dims.get_optional_mesh(name)
+        return (mesh.get_local_rank(), mesh.size()) if mesh is not None else (0, 1)
+
+    (_, positions), (_, replicas), (_, shards) = local("pp"), local("dp_replicate"), local("fsdp")
+    everyone = gather_objects([local(name)[0] for name in ("pp", "dp_replicate", "fsdp")], None, device)
+    grid = [[-1] * (positions * shards) for _ in range(replicas)]
+    for rank, (position, replica, shard) in enumerate(everyone):
+        grid[replica][position * shards + shard] = rank
+    mine = everyone[dist.get_rank()]
+    return _Placement(grid, None, mine[0] * shards + mine[2], positions)
+
+
+def manifest_parameters(reports: list[dict[str, Any]]) -> list[str]:
+    """Pure: the model state's tensor names over every rank's report (``{"names", ...}``), rank
+    by rank, each where first seen: every rank's list with data parallelism, the stages' lists
+    one after the other with a pipeline."""
+    names: list[str] = []
+    seen: set[str] = set()
+    for report in reports:
+        for name in report["names"]:
+            if name not in seen:
+                seen.add(name)
+                names.append(name)
+    return names
+
+
+def in_manifest_order(report: dict[str, Any], names: list[str], ndims: dict[str, int]) -> dict[str, Any]:
+    """Pure: one rank's report (its tensors' ``names``, ``fingerprints``, ``chunks``) over the
+    manifest's ``names``: the digest of its pieces in that order and their chunks, a tensor it does
+    not hold (another pipeline stage's) an empty piece (zero sizes over its ``ndims``), which
+    ``dcp_manifest.shard_digests`` cuts from the files alike."""
+    from ..fingerprint import Fingerprint, digest
+    held = {n: (fp, chunk) for n, fp, chunk in zip(report["names"], report["fingerprints"], report["chunks"])}
+    fps, chunks = [], []
+    for name in names:
+        fp, chunk = held.get(name, (list(_EMPTY), [[0] * ndims[name], [0] * ndims[name]]))
+        fps.append(Fingerprint(int(fp[0]), int(fp[1])))
+        chunks.append(chunk)
+    return {"digest": digest(fps).hex(), "chunks": chunks}
+
+
+_EMPTY = (0, 0)
+"""The fingerprint of an empty piece: sums over no element."""
+
+
 # -- helpers -------------------------------------------------------------------------------------
+
+class _ScheduleInStep:
+    """What torchtitan's ``pp_forward_backward_step`` finds as ``self.pp_schedule`` inside a guarded
+    step: its ``step(...)`` is the open step's ``run_schedule`` with the same arguments, which runs
+    torchtitan's schedule (the one the Guard holds) recorded for the checks."""
+
+    __slots__ = ("s",)
+
+    def __init__(self, s: Any) -> None:
+        self.s = s
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.s.run_schedule(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _schedule_through(trainer: Trainer, s: Any) -> Iterator[None]:
+    """torchtitan's ``pp_forward_backward_step`` runs unchanged, its schedule step through ``s``."""
+    schedule = trainer.pp_schedule
+    trainer.pp_schedule = _ScheduleInStep(s)
+    try:
+        yield
+    finally:
+        trainer.pp_schedule = schedule
+
+
+def _install_faults(trainer: GuardedTrainer, settings: SDCGuardConfig) -> Any:
+    """The faults of ``sdcguard.inject`` (drills and tests), planted in this rank's part of the
+    model: FSDP2's reductions, parameters and module outputs (``faults/sharded.py``). Under
+    pipeline parallelism a fault's ``param=`` / ``site=`` names a tensor or module of a stage this
+    rank holds (as in torchtitan's model: stage 1 holds ``layers.1``)."""
+    from ..faults.sharded import ShardedFaultInjector
+    injector = ShardedFaultInjector(settings.inject, dist.get_rank())
+    model = None
+    if trainer.parallel_dims.pp_enabled:  # a forward fault's module: in the stage (model part) that holds it
+        sites = {f.site if f.site is not None else settings.fault_site
+                 for f in injector.faults if f.info.corrupts == "forward"}
+        parts = [m for m in trainer.model_parts if sites <= {name for name, _ in m.named_modules()}]
+        model = parts[0] if parts else trainer.model_parts[0]
+    injector.install(trainer.guard, param=settings.fault_param, site=settings.fault_site, model=model)
+    return injector
+
 
 def _refuse_unchecked(config: GuardedTrainer.Config) -> None:
     """Refuse, before torchtitan builds the model, a job whose parallelism sdcguard's sharded checks
     do not cover (torchtitan's own ``ParallelDims`` resolves ``data_parallel_shard_degree=-1``)."""
     from torchtitan.distributed import ParallelDims
     dims = ParallelDims.from_config(config.parallelism, int(os.environ.get("WORLD_SIZE", "1")))
-    _raise_for(refusals(pp=dims.pp, cp=dims.cp, ep=dims.ep, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
-                        model_parts=1, spmd_backend=config.parallelism.spmd_backend))
+    _raise_for(refusals(**_degrees(dims, config), model_parts=1, spmd_backend=config.parallelism.spmd_backend))
 
 
 def _require_checkable(trainer: Trainer) -> None:
     """The same, on what torchtitan built (its model parts too)."""
-    dims = trainer.parallel_dims
-    _raise_for(refusals(pp=dims.pp, cp=dims.cp, ep=dims.ep, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
-                        model_parts=len(trainer.model_parts)))
+    _raise_for(refusals(**_degrees(trainer.parallel_dims, trainer.config), model_parts=len(trainer.model_parts)))
+
+
+def _degrees(dims: Any, config: Trainer.Config) -> dict[str, Any]:
+    """What :func:`refusals` reads of torchtitan's resolved degrees and its config: the gradient
+    accumulation steps as ``Trainer.__init__`` computes them (a negative global batch size: one)."""
+    training, parallelism = config.training, config.parallelism
+    batch = training.local_batch_size * dims.dp_replicate * dims.dp_shard  # torchtitan's "batch" mesh
+    accumulation = max(1, training.global_batch_size // batch) if training.global_batch_size > 0 else 1
+    return {"pp": dims.pp, "tp": dims.tp, "cp": dims.cp, "ep": dims.ep, "dp_replicate": dims.dp_replicate,
+            "dp_shard": dims.dp_shard, "accumulation": accumulation,
+            "pp_schedule": parallelism.pipeline_parallel_schedule,
+            "pp_schedule_csv": parallelism.pipeline_parallel_schedule_csv or ""}
 
 
 def _raise_for(problems: list[str]) -> None:
@@ -347,16 +517,41 @@ def _raise_for(problems: list[str]) -> None:
         raise ConfigurationError("sdcguard cannot check this torchtitan job: " + "; ".join(problems))
 
 
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+"""torchtitan's ``pipeline_parallel_schedule`` values whose replay sdcguard's pipeline layout is tested with."""
+
+
 def refusals(*, pp: int, cp: int, ep: int, dp_replicate: int, dp_shard: int, model_parts: int,
-             spmd_backend: str = "partial_dtensor") -> list[str]:
+             spmd_backend: str = "partial_dtensor", tp: int = 1, accumulation: int = 1, pp_schedule: str = "1F1B",
+             pp_schedule_csv: str = "") -> list[str]:
     """Pure: why sdcguard cannot check a torchtitan job of these degrees (empty: it can), each
-    reason naming the setting. ``tensor_parallel_degree`` is not among them: TP under FSDP2/HSDP is
-    checked (``layouts/tensor_parallel.py``; the layout refuses a mesh whose replay ring does not
-    carry each TP group onto another)."""
+    reason naming the setting. ``tensor_parallel_degree`` alone is not among them: TP under
+    FSDP2/HSDP is checked (``layouts/tensor_parallel.py``; the layout refuses a mesh whose replay
+    ring does not carry each TP group onto another). Nor is ``pipeline_parallel_degree``: the Guard
+    is built on torchtitan's schedule (``layouts/pipeline.py``, FSDP2 / HSDP over each stage), with
+    the limits below."""
     problems = []
     if pp > 1:
-        problems.append(f"parallelism.pipeline_parallel_degree={pp}: the adapter does not drive torchtitan's "
-                        "pipeline schedule yet (set it to 1)")
+        # the pipeline layout checks FSDP2 / HSDP over each stage; a stage whose parameters are TP
+        # DTensors is not one of its layouts yet
+        if tp > 1:
+            problems.append(f"parallelism.pipeline_parallel_degree={pp} with tensor_parallel_degree={tp}: a pipeline "
+                            "stage that is tensor parallel is not checked (sdcguard's pipeline layout covers FSDP2 "
+                            "and HSDP over each stage); set one of them to 1")
+        # the layout records one schedule step per optimizer step (what a replay redoes); torchtitan
+        # runs the schedule once per accumulation step
+        if accumulation > 1:
+            problems.append(f"training.global_batch_size: {accumulation} gradient accumulation steps with "
+                            f"parallelism.pipeline_parallel_degree={pp} (one schedule step each) are not checked: "
+                            "sdcguard replays one schedule step per optimizer step; give the schedule more "
+                            "micro-batches instead (training.local_batch_size / pipeline_parallel_microbatch_size) "
+                            "and set global_batch_size to local_batch_size x the data-parallel degree")
+        if pp_schedule_csv:
+            problems.append(f"parallelism.pipeline_parallel_schedule_csv={pp_schedule_csv!r}: a schedule loaded from "
+                            "a CSV is not checked (sdcguard's replay rebuilds the schedule from its class)")
+        elif pp_schedule.lower() not in {name.lower() for name in PIPELINE_SCHEDULES}:  # torch's names ignore case
+            problems.append(f"parallelism.pipeline_parallel_schedule={pp_schedule!r} is not checked (checked: "
+                            f"{', '.join(PIPELINE_SCHEDULES)})")
     if cp > 1:
         # a CP group computes one batch together (each rank a slice of the sequence, keys and values
         # passed around the group by ring attention), like a TP group; but torchtitan folds cp into
@@ -381,6 +576,6 @@ def refusals(*, pp: int, cp: int, ep: int, dp_replicate: int, dp_shard: int, mod
     if dp_shard * dp_replicate < 2:
         problems.append(f"data parallel degree {dp_shard * dp_replicate} (parallelism.data_parallel_replicate_degree "
                         "x data_parallel_shard_degree; one data-parallel rank has no other to check it against)")
-    if model_parts != 1:
+    if model_parts != 1 and pp == 1:  # a pipeline's parts are its stages, which the schedule holds
         problems.append(f"{model_parts} model parts")
     return problems

@@ -4,7 +4,7 @@
 ``torch.compile`` of it) -> :class:`data_parallel.DataParallel`; a model sharded with FSDP2's
 ``fully_shard`` (pure FSDP or HSDP) -> :class:`fsdp.Sharded`, and with a tensor-parallel dimension
 (``parallelize_module`` first) -> :class:`tensor_parallel.TensorParallel`; a pipeline schedule
-(``torch.distributed.pipelining``) whose stages DDP replicates -> :class:`pipeline.Pipeline`; a
+(``torch.distributed.pipelining``) whose stages DDP or FSDP2 replicates -> :class:`pipeline.Pipeline`; a
 plain module in one process -> :class:`single.SingleProcess`. Everything after it talks to the protocol only.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def build_layout(model: torch.nn.Module, *, loss_fn: Callable[[torch.nn.Module, 
         device = _collective_device(None)
         return Pipeline(schedule=model, topology=gather_topology(config, None, device), device=device,
                         seed=config.seed, optimizer=optimizer, scaler=scaler, reduce_hook=reduce_hook,
-                        reduce_state=reduce_state)
+                        reduce_state=reduce_state, zero_update=zero_update)
     if loss_fn is None:
         raise TypeError("sdcguard: Guard needs loss_fn(module, micro_batch) (only a pipeline schedule brings its own)")
     ddp, module, compiled = unwrap(model)

@@ -1,14 +1,17 @@
-"""Pipeline parallelism (``torch.distributed.pipelining``) with DDP over each stage's replicas.
+"""Pipeline parallelism (``torch.distributed.pipelining``) with DDP or FSDP2 over each stage.
 
 The Guard is built on the schedule (``Guard(schedule, optimizer)``; the loss is the schedule's)
 and a step runs it with ``s.run_schedule(x, target=y)``. Rank ``(replica i, position p)`` holds
 stage ``p`` (or stages ``p, p + P, ...`` under an interleaved schedule) of replica ``i``; each
-stage module is wrapped in ``DistributedDataParallel`` over the ranks holding the same stage.
+stage module is wrapped in ``DistributedDataParallel`` over the ranks holding the same stage, or
+sharded over them with FSDP2's ``fully_shard`` (pure FSDP or HSDP; then "replica" ``i`` is the
+rank's index in the stage's mesh: the pipeline that computes one batch). What differs between
+the two lives in ``pipeline_stages``.
 
-- Checks 1 and 4 read each stage's DDP buckets before and after their all-reduce (the comm hook,
-  as for DDP); every rank's share is summed in the one vote over the whole job, so every stage
-  stops on the same step.
-- Check 3 compares each stage's weights across its replicas.
+- Checks 1 and 4 read each stage's reductions before and after they run (DDP's comm hook, or
+  FSDP2's recording reduce-scatter); every rank's share is summed in the one vote over the whole
+  job, so every stage stops on the same step.
+- Check 3 compares each stage's weights (each shard, under HSDP) across its replicas.
 - Check 2: every replica replays the batch of the replica ``shift`` ahead (``checks/pipeline``),
   the whole pipeline schedule on a second set of stages built over the bare stage modules, with
   the real gradients set aside. Each rank compares its stage's gradients and what crossed its
@@ -20,14 +23,13 @@ import contextlib
 import dataclasses
 import logging
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from ..checks.audit import Confirmation, judge_confirmation
-from ..checks.commhook import GradientRecorder, ReduceHook, record_then_reduce
+from ..checks.commhook import ReduceHook
 from ..checks.exchange import DIGEST_BYTES, Incoming, agree, gather_digests, gather_objects, gather_tensor, ring_exchange, ring_post
 from ..checks.pipeline import BoundaryLog, Grid, StagePass, judge_pipeline_replays, read_grid, ring_shift, ring_target
 from ..checks.reduce_checksum import Shape
@@ -35,9 +37,10 @@ from ..checks.replay import Payload, load_buffers, replay_mode, snapshot_buffers
 from ..checks.rng import forward_seed, seeded
 from ..checks.topology import Topology
 from ..checks.verdict import Verdict
-from ..checks.weights import WeightCheck, fingerprint_weights, weights_verdict
-from ..fingerprint import fingerprint, fingerprint_many
+from ..checks.weights import WeightCheck, weights_verdict
+from ..fingerprint import fingerprint
 from .base import Scale, StepRecord, Vote, everywhere_finite, flag_token, raise_replay_failures
+from .pipeline_stages import StageReplicas, stage_replicas
 from .pipeline_store import PipelineStore
 
 log = logging.getLogger("sdcguard")
@@ -53,7 +56,7 @@ def is_schedule(model: Any) -> bool:
 
 
 class Pipeline:
-    """The :class:`~sdcguard.layouts.base.Layout` of a pipeline schedule whose stages DDP replicates."""
+    """The :class:`~sdcguard.layouts.base.Layout` of a pipeline schedule whose stages DDP or FSDP2 replicates."""
 
     group: dist.ProcessGroup | None = None
     """The whole job votes: a fault in one stage stops every stage on the same step."""
@@ -63,7 +66,8 @@ class Pipeline:
 
     def __init__(self, *, schedule: Any, topology: Topology, device: torch.device, seed: int,
                  optimizer: torch.optim.Optimizer, scaler: Any, reduce_hook: ReduceHook | None = None,
-                 reduce_state: Any = None) -> None:
+                 reduce_state: Any = None,
+                 zero_update: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> None:
         """``reduce_hook(reduce_state, bucket)``: each stage DDP's reduction inside sdcguard's comm
         hook (default: DDP's mean over the stage's data-parallel group), as for DDP."""
         if scaler is not None:
@@ -71,8 +75,9 @@ class Pipeline:
                             "loss_fn would have to scale): train in bfloat16 autocast, or float32")
         self.schedule = schedule
         self.stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
-        self.ddps = [_stage_ddp(stage) for stage in self.stages]
-        self.modules = [ddp.module for ddp in self.ddps]
+        self.replicas: StageReplicas = stage_replicas(self.stages, reduce_hook=reduce_hook, reduce_state=reduce_state,
+                                                      seed=seed)
+        self.modules = self.replicas.modules
         self.module: torch.nn.Module = torch.nn.ModuleDict(
             {f"stage{st.stage_index}": m for st, m in zip(self.stages, self.modules)})
         """This rank's stage modules, named by stage index: what its checkpoint file holds."""
@@ -87,13 +92,7 @@ class Pipeline:
                              for st, m in zip(self.stages, self.modules)]
         assert [n for n, _ in self.module.named_parameters()] == [n for ps in self.stage_params for n, _ in ps]
         self.named_parameters = [np for params in self.stage_params for np in params]
-        self.dp_group = self.ddps[0].process_group
-        self.recorders = []
-        for ddp, params in zip(self.ddps, self.stage_params):
-            recorder = GradientRecorder([p for _, p in params], ddp.process_group, reduce_hook, reduce_state, seed=seed)
-            ddp.register_comm_hook(recorder, record_then_reduce)
-            self.recorders.append(recorder)
-        self.checks_reduction = all(r.checks_reduction for r in self.recorders)
+        self.checks_weights = self.replicas.weights_group is not None
         self.last_stages = {st.stage_index for st in self.stages if st.is_last}
         self.own_log = BoundaryLog()
         for stage in self.stages:
@@ -102,17 +101,24 @@ class Pipeline:
         self._replay_schedule: Any = None
         self._resumed = False
         """This run resumed from a checkpoint: its schedule's first step reduces regularly."""
+        self.position_group = self.replicas.group or _position_group(self.grid, topology.rank)
         self.store = PipelineStore(module=self.module, optimizer=optimizer, named_parameters=self.named_parameters,
-                                   grid=self.grid, topology=self.topology, device=device, dp_group=self.dp_group,
+                                   grid=self.grid, topology=self.topology, device=device, replicas=self.replicas, group=self.position_group, zero_update=zero_update,
                                    on_load=self._on_load)
 
     def _read_grid(self) -> Grid:
         mine = {"pp": dist.get_process_group_ranks(self.stages[0].group),
-                "dp": dist.get_process_group_ranks(self.ddps[0].process_group),
-                "stages": sorted(st.stage_index for st in self.stages), "num_stages": self.stages[0].num_stages}
-        if any(dist.get_process_group_ranks(d.process_group) != mine["dp"] for d in self.ddps):
-            raise TypeError("sdcguard: the stages of one rank are replicated over different data-parallel groups")
-        grid = read_grid(gather_objects(mine, None, self.device))
+                "dp": self.replicas.dp_ranks(),
+                "stages": sorted(st.stage_index for st in self.stages), "num_stages": self.stages[0].num_stages,
+                "replication": self.replicas.kind, "checks_reduction": self.replicas.checks_reduction}
+        everyone = gather_objects(mine, None, self.device)
+        kinds = sorted({m["replication"] for m in everyone})
+        if len(kinds) > 1:  # every rank refuses alike, before any group is made on some ranks only
+            raise TypeError(f"sdcguard: the pipeline's stages are replicated by {' and '.join(kinds)}: use one for every stage")
+        # one vote over the job: check 4 is judged everywhere or nowhere (a stage's reduction that is
+        # not a plain average turns it off for the whole job, as the start-up plan says)
+        self.checks_reduction = all(m["checks_reduction"] for m in everyone)
+        grid = read_grid(everyone)
         if isinstance(grid, str):
             raise TypeError(f"sdcguard: {grid}")
         return grid
@@ -125,10 +131,12 @@ class Pipeline:
         lines = [self.grid.describe(), where,
                  "a fault in one stage's forward reaches every later stage and the whole backward: the first "
                  "stage whose output differs is named (boundary fingerprints), ambiguous with two replicas",
-                 "checkpoints: a directory of one file per pipeline position and pipeline.json (layouts/pipeline_store)"]
+                 "guard.save_checkpoint writes a directory of one file per pipeline position and pipeline.json "
+                 "(layouts/pipeline_store)"]
         if not self.checks_reduction:
-            lines.append("a stage's reduce hook is not DDP's mean: check 4 (reduce-checksum) is off")
-        return lines
+            lines.append("does not run check 4 (reduce-checksum) anywhere: a stage's reduction is not a plain average "
+                         "(one vote over the job)")
+        return lines + self.replicas.plan_lines()
 
     # -- recording -------------------------------------------------------------------------------
 
@@ -145,14 +153,13 @@ class Pipeline:
                             getattr(self.schedule, "_stage_forward_initialized", True)))
 
     def can_audit(self) -> bool:
-        return self._initialized() or self._resumed
+        return self._initialized() or self._resumed or self.replicas.audits_first_step
 
     def _on_load(self) -> None:
         self._resumed = True
 
     def begin_step(self, step: int, audit: bool) -> None:
-        for recorder in self.recorders:
-            recorder.begin_step(audit, step)
+        self.replicas.begin_step(step, audit)
         self.own_log.start(audit)
 
     @contextlib.contextmanager
@@ -161,27 +168,18 @@ class Pipeline:
         if self._initialized() or not self._resumed:
             yield
             return
-        with contextlib.ExitStack() as stack:  # a resumed run's first step: see can_audit
-            for ddp in self.ddps:
-                stack.enter_context(ddp.no_sync())
+        with self.replicas.first_step_after_resume():  # see can_audit
             yield
 
     # -- checks 1 and 4 --------------------------------------------------------------------------
 
     def vote(self, s: StepRecord) -> Vote:
-        votes = [r.vote(self.device) for r in self.recorders]
-        mine = torch.stack(votes).sum(0) if len(votes) > 1 else votes[0]
         # Each stage's reduction has its own bound; the summed vote needs one Shape on every rank,
-        # so this rank's share of its stage's underflow term travels in y (W ranks add W shares).
-        underflow = sum(_underflow_share(r.shape()) for r in self.recorders)
-        mine = mine + torch.tensor([0.0, underflow], dtype=torch.float64, device=mine.device)
-        shape = Shape(world=self.topology.world_size, buckets=sum(r.shape().buckets for r in self.recorders),
-                      elements=0, dtypes=())
-        return Vote(mine, self._rows, shape if self.checks_reduction else None)
-
-    def _rows(self) -> torch.Tensor:
-        rows = [r.rows(self.device) for r in self.recorders]
-        return torch.stack(rows).sum(0) if len(rows) > 1 else rows[0]
+        # so this rank's share of its stage's underflow term travels in y (the group's shares add up).
+        mine = self.replicas.vote(self.device)
+        vote = mine.vote + torch.tensor([0.0, mine.underflow], dtype=torch.float64, device=mine.vote.device)
+        shape = Shape(world=self.topology.world_size, buckets=mine.buckets, elements=0, dtypes=())
+        return Vote(vote, mine.rows, shape if self.checks_reduction else None)
 
     def reduced_gradients_finite(self) -> bool:
         return everywhere_finite(self.named_parameters, self.device, None)
@@ -224,9 +222,7 @@ class Pipeline:
     # -- check 2 ---------------------------------------------------------------------------------
 
     def own_pass(self, s: StepRecord) -> StagePass:
-        result = StagePass(losses=list(s.loss_fps))
-        for stage, recorder in zip(self.stages, self.recorders):
-            result.grads[stage.stage_index] = recorder.fingerprints()
+        result = StagePass(losses=list(s.loss_fps), grads=self.replicas.own_grads())
         return self.own_log.into(result, self.last_stages)
 
     def post_batch(self, blob: torch.Tensor, own_digest: bytes) -> Incoming:
@@ -266,39 +262,32 @@ class Pipeline:
         gradients, buffers and RNG streams as they were; return what it recorded."""
         micro = payload.micro_batches[0]
         schedule = self._replay_schedule or self._build_replay_schedule()
-        params = [p for _, p in self.named_parameters]
-        saved_grads = [p.grad for p in params]
         saved_buffers = [snapshot_buffers(m) for m in self.modules]
         losses: list[torch.Tensor] = []
-        for p in params:
-            p.grad = None
         self.replay_log.start(True)
         try:
-            with replay_mode(), seeded(forward_seed(self.seed, payload.step, payload.owner, 0), self.device):
+            with self.replicas.isolated(), replay_mode(), \
+                    seeded(forward_seed(self.seed, payload.step, payload.owner, 0), self.device):
                 schedule.step(*micro["args"], target=micro["target"], losses=losses, **micro["kwargs"])
-            result = StagePass(losses=[fingerprint(loss.detach()) for loss in losses])
-            finite = all(bool(torch.isfinite(loss).all()) for loss in losses)
-            for stage, params_of in zip(self.stages, self.stage_params):
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in params_of]
-                result.grads[stage.stage_index] = dict(enumerate(fingerprint_many(grads)))
-                if check_finite:
-                    finite = finite and all(bool(torch.isfinite(g).all()) for g in grads)
+                grads, finite = self.replicas.replay_grads(check_finite)
+            result = StagePass(losses=[fingerprint(loss.detach()) for loss in losses], grads=grads)
+            finite = finite and all(bool(torch.isfinite(loss).all()) for loss in losses)
         finally:
             self.replay_log.stop()
-            for p, g in zip(params, saved_grads):
-                p.grad = g
             for m, b in zip(self.modules, saved_buffers):
                 load_buffers(m, b)
         return self.replay_log.into(result, self.last_stages), finite
 
     def _build_replay_schedule(self) -> Any:
-        """The user's schedule class over stages built on the bare modules (no DDP: a replay's
-        gradients stay on this rank), unscaled (the owner's gradients are compared before the
+        """The user's schedule class over stages built on the replay modules (DDP's bare module: a
+        replay's gradients stay on this rank; FSDP2's sharded one, whose reduce-scatters record and
+        send nothing during a replay), unscaled (the owner's gradients are compared before the
         schedule divides them by the micro-batch count)."""
         from torch.distributed.pipelining import PipelineStage
         replay_stages = []
-        for stage, module in zip(self.stages, self.modules):
-            replay_stage = PipelineStage(module, stage.stage_index, stage.num_stages, stage.device, group=stage.group)
+        for k, stage in enumerate(self.stages):
+            replay_stage = PipelineStage(self.replicas.replay_module(k), stage.stage_index, stage.num_stages,
+                                         stage.device, group=stage.group)
             self.replay_log.install(replay_stage)
             replay_stages.append(replay_stage)
         s = self.schedule
@@ -311,21 +300,24 @@ class Pipeline:
     # -- check 3 ---------------------------------------------------------------------------------
 
     def fingerprint_weights(self) -> WeightCheck | None:
-        return fingerprint_weights(self.named_parameters)
+        return self.replicas.fingerprint_weights(self.named_parameters)
 
     def weights_token(self, weights: WeightCheck | None) -> tuple[bytes, bool]:
-        ok = agree(weights.digest, self.device, self.dp_group)  # each stage across its replicas
+        if weights is None:
+            return flag_token(True), True  # pure FSDP over the stages: no replica to compare with
+        ok = agree(weights.digest, self.device, self.replicas.weights_group)  # each stage (shard) across its replicas
         return flag_token(ok), ok
 
     def judge_weights(self, weights: WeightCheck, tokens: list[bytes] | None) -> Verdict | None:
         if tokens is not None and all(t == flag_token(True) for t in tokens):
             return None
-        group_ranks = dist.get_process_group_ranks(self.dp_group)
-        digests = [d for [d] in gather_digests([weights.digest], self.device, self.dp_group)]
-        local = weights_verdict(weights, digests, dist.get_rank(self.dp_group), self.dp_group, self.device)
+        group = self.replicas.weights_group
+        group_ranks = dist.get_process_group_ranks(group)
+        digests = [d for [d] in gather_digests([weights.digest], self.device, group)]
+        local = weights_verdict(weights, digests, dist.get_rank(group), group, self.device)
         mine = None if local is None else {"check": local.check, "suspects": [group_ranks[r] for r in local.suspects],
                                            "ambiguous": local.ambiguous, "evidence": local.evidence}
-        said = [v for v in gather_objects(mine if dist.get_rank(self.dp_group) == 0 else None, None, self.device)
+        said = [v for v in gather_objects(mine if dist.get_rank(group) == 0 else None, None, self.device)
                 if v is not None]
         if not said:
             return None
@@ -334,26 +326,21 @@ class Pipeline:
                                      evidence={"stages": said}))
 
     def check_update(self, step: int) -> Verdict | None:
-        return None  # every stage has replicas: check 3 itself runs (fingerprint_weights is never None)
+        return None  # DDP and HSDP stages have replicas (check 3 runs); pure FSDP's re-run is not wired here
 
     def weights_agree(self, weights: WeightCheck) -> bool:
-        ok = agree(weights.digest, self.device, self.dp_group)
+        ok = agree(weights.digest, self.device, self.replicas.weights_group)
         return agree(flag_token(ok), self.device, None) and ok
 
 
-def _stage_ddp(stage: Any) -> DistributedDataParallel:
-    module = stage.submod
-    if not isinstance(module, DistributedDataParallel):
-        raise TypeError("sdcguard: wrap each pipeline stage's module in DistributedDataParallel over the ranks "
-                        "holding the same stage before building its PipelineStage (FSDP2 stages are not checked yet)")
-    return module
-
-
-def _underflow_share(shape: Shape) -> float:
-    """This rank's share (1/W of its stage's) of ``reduce_checksum``'s absolute underflow term,
-    ``5 W eta n``: half the smallest subnormal of the widest-ranging element type, per element."""
-    if not shape.dtypes:
-        return 0.0
-    eta = max(torch.finfo(d).tiny * torch.finfo(d).eps / 2 for d in shape.dtypes)
-    return 5 * eta * shape.elements
-
+def _position_group(grid: Grid, rank: int) -> dist.ProcessGroup:
+    """The ranks of ``rank``'s pipeline position as one process group (collective: every rank
+    creates every position's group, in the same order)."""
+    mine = None
+    for position in range(grid.positions):
+        ranks = sorted(r for r, (_, p) in grid.at.items() if p == position)
+        group = dist.new_group(ranks)
+        if grid.at[rank][1] == position:
+            mine = group
+    assert mine is not None
+    return mine

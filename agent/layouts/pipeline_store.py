@@ -1,8 +1,9 @@
 """A pipeline's checkpoint: a directory holding one file per pipeline position and one manifest.
 
     ckpt/                       the path given to save_checkpoint (one per save, or written again)
-      stage-0.pt                position 0's stages (model and optimizer), written by its first
-      stage-0.pt.manifest.json  replica, with the manifest every file checkpoint has (checkpoint.py)
+      stage-0.pt                position 0's stages (model and optimizer; FSDP2 stages' full state,
+      stage-0.pt.manifest.json  gathered), written by its first replica, with the manifest every
+                                file checkpoint has (checkpoint.py)
       stage-1.pt ...
       pipeline.json             the step, every position's file and SHA-256, what verified it
 
@@ -13,23 +14,26 @@ on any rank is raised on every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
 from .. import checkpoint, recovery
 from .. import manifest as manifest_codec
-from ..checks.exchange import gather_objects
+from ..checks.exchange import DIGEST_BYTES, agree, gather_objects
 from ..checks.pipeline import Grid
 from ..checks.topology import Topology
 from ..contract.alarm import now_rfc3339
 from ..contract.spool import write_json_atomic
+from .pipeline_stages import StageReplicas
 
 MANIFEST = "pipeline.json"
 SCHEMA = "sdcguard.pipeline-checkpoint/1"
@@ -44,12 +48,17 @@ class PipelineStore:
 
     def __init__(self, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  named_parameters: list[tuple[str, torch.nn.Parameter]], grid: Grid, topology: Topology,
-                 device: torch.device, dp_group: dist.ProcessGroup, on_load: Callable[[], None]) -> None:
+                 device: torch.device, replicas: StageReplicas, group: dist.ProcessGroup,
+                 zero_update: Callable[[], contextlib.AbstractContextManager[None]], on_load: Callable[[], None]) -> None:
+        """``group``: the ranks of this rank's pipeline position (they write one file together)."""
         self.module, self.optimizer = module, optimizer
         self.on_load = on_load
         """Told when a checkpoint was loaded (the layout's first step then reduces regularly)."""
         self.named_parameters = named_parameters
-        self.grid, self.topology, self.device, self.dp_group = grid, topology, device, dp_group
+        self.grid, self.topology, self.device, self.group = grid, topology, device, group
+        self.replicas = replicas
+        self.zero_update = zero_update
+        """A context in which the optimizer steps nothing (DCP's state-dict API creates missing state so)."""
         self.replica, self.position = grid.at[topology.rank]
 
     def save(self, path: str, *, step: int, state: dict[str, Any] | None, model_key: str,
@@ -68,19 +77,32 @@ class PipelineStore:
         kept, moved = gather_objects([kept, moved], None, self.device)[0]  # every rank waits for rank 0
         if moved is not None:
             raise checkpoint.CheckpointError(f"pipeline checkpoint {path} was not written: {moved}")
-        facts = checkpoint.Facts(
-            step=step, weight_digest=weight_digest, parameters=[n for n, _ in self.named_parameters],
-            model_key=model_key, history=dataclasses.replace(history, checkpoints=[]),
-            replicas=self.grid.replicas, run_id=self.topology.run_id)
-        mine = {"step": step, model_key: self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scaler": None}
-        failure, sha = None, None
-        try:  # collective within the position's replicas: its first replica writes
-            written = checkpoint.save(os.path.join(path, stage_file(self.position)), mine, facts, keep=False,
-                                      writer=self.replica == 0, device=self.device, group=self.dp_group)
-            sha = written.checkpoints[-1].sha256
+        names = self.replicas.state_names([n for n, _ in self.named_parameters])
+        failure, sha, digest, mine = None, None, None, {}
+        try:
+            with self.zero_update():
+                model_state, optimizer_state = self.replicas.state(self.optimizer)  # FSDP2: collective per stage
+            mine = {"step": step, model_key: model_state, "optimizer": optimizer_state, "scaler": None}
+            digest = self.replicas.file_digest(weight_digest, mine, model_key, names)
         except Exception as exc:  # noqa: BLE001 - every rank learns it below, none is left waiting
             failure = f"{type(exc).__name__}: {exc}"
+        # The position's ranks agree that each holds the state, and the same weights (FSDP2 gathered
+        # them on every rank: one bad gather is not written as verified) before the first writes.
+        if not agree(bytes.fromhex(digest)[:DIGEST_BYTES] if digest else bytes(DIGEST_BYTES), self.device,
+                     self.group, veto=failure is not None):
+            failure = failure or "the position's ranks hold different weights for its stages (a gather differed)"
+        else:
+            try:  # collective within the position's ranks: the first of them writes
+                facts = checkpoint.Facts(
+                    step=step, weight_digest=digest, parameters=names, model_key=model_key,
+                    history=dataclasses.replace(history, checkpoints=[]), replicas=self.grid.replicas,
+                    run_id=self.topology.run_id)
+                written = checkpoint.save(os.path.join(path, stage_file(self.position)), mine, facts, keep=False,
+                                          writer=dist.get_rank(self.group) == 0, device=self.device,
+                                          group=self.group)
+                sha = written.checkpoints[-1].sha256
+            except Exception as exc:  # noqa: BLE001 - every rank learns it below, none is left waiting
+                failure = f"{type(exc).__name__}: {exc}"
         said = gather_objects([self.position, sha, failure], None, self.device)
         failures = sorted({f for _, _, f in said if f})
         if failures:
@@ -90,6 +112,7 @@ class PipelineStore:
         if me == 0:
             write_json_atomic(Path(path) / MANIFEST, json.dumps({
                 "schema": SCHEMA, "step": step, "verified": True, "stages": stages,
+                "weights_verified": self.replicas.weights_group is not None, "replication": self.replicas.kind,
                 "positions": self.grid.positions, "replicas": self.grid.replicas,
                 "num_stages": self.grid.num_stages, "model_key": model_key,
                 **manifest_codec.verification_fields(history, step, str(path), plan, kept),
@@ -99,7 +122,9 @@ class PipelineStore:
             for victim in recovery.removable(plan.remove, str(Path(path).parent)):
                 shutil.rmtree(victim, ignore_errors=True)
         top = gather_objects(top, None, self.device)[0]
-        saved = recovery.Checkpoint(step, str(path), history.last_audited_step, top)
+        # pure FSDP over the stages: check 3 never compared these weights, so no alarm names them
+        saved = recovery.Checkpoint(step, str(path), history.last_audited_step, top,
+                                    cross_checked=self.replicas.weights_group is not None)
         if me == 0:
             recovery.log_plan(plan, kept, saved)
         return recovery.after_save(history, plan, saved, kept)
@@ -115,15 +140,25 @@ class PipelineStore:
                 raise checkpoint.CheckpointError(
                     f"{path} holds a pipeline of {manifest['positions']} positions x {manifest['replicas']} replicas, "
                     f"this job is {self.grid.positions} x {self.grid.replicas}")
+            if manifest.get("replication", "DDP") != self.replicas.kind:
+                raise checkpoint.CheckpointError(f"{path} holds {manifest.get('replication', 'DDP')} stages, this "
+                                                 f"job's are {self.replicas.kind}")
             entry = manifest["stages"][str(self.position)]
             first = next(self.module.parameters(), None)
-            checkpoint.load_checkpoint(Path(path) / entry["file"], self.module, self.optimizer, None,
-                                       map_location=first.device if first is not None else "cpu",
-                                       model_key=model_key, expect_step=int(manifest["step"]),
-                                       expect_sha256=entry["sha256"])
-            digest = checkpoint.read_manifest(Path(path) / entry["file"])["weight_digest"]
+            state, file_manifest = checkpoint.read_verified_state(
+                Path(path) / entry["file"], map_location=first.device if first is not None else "cpu",
+                expect_step=int(manifest["step"]), expect_sha256=entry["sha256"])
+            digest = file_manifest["weight_digest"]
         except (checkpoint.CheckpointError, KeyError, OSError, ValueError) as exc:
             failure = f"{type(exc).__name__}: {exc}"
+        failures = sorted({f for f in gather_objects(failure, None, self.device) if f})
+        if not failures:  # every file is good: load (collective per stage with FSDP2)
+            try:
+                with self.zero_update():
+                    self.replicas.load_state(self.module, self.optimizer, state[model_key], state["optimizer"])
+                digest = self.replicas.loaded_digest(digest, self.named_parameters, model_key)
+            except Exception as exc:  # noqa: BLE001 - every rank learns it below (a load within a stage's mesh is collective)
+                failure = f"{type(exc).__name__}: {exc}"
         failures = sorted({f for f in gather_objects(failure, None, self.device) if f})
         if failures:  # on every rank alike: one position's bad file stops the whole pipeline
             raise checkpoint.CheckpointError(f"pipeline checkpoint {path} refused: {failures[0]}")
@@ -132,21 +167,76 @@ class PipelineStore:
 
 
 def read_manifest(path: str | os.PathLike[str], *, expect_step: int | None = None,
-                  expect_sha256: str | None = None) -> dict[str, Any]:
-    """``pipeline.json`` of ``path``, checked against what an alarm named (step, SHA-256)."""
+                           expect_sha256: str | None = None) -> dict[str, Any]:
+    """``pipeline.json`` of ``path``, checked against what an alarm named (its SHA-256 and step), read
+    once so that the bytes hashed are the bytes parsed, and checked for form
+    (:func:`manifest_problems`) before any stage file is opened."""
     top = Path(path) / MANIFEST
-    if not top.is_file():
-        raise checkpoint.CheckpointError(f"{path} is not a pipeline checkpoint (no {MANIFEST})")
-    sha = manifest_codec.sha256_file(top)
-    if expect_sha256 is not None and sha != expect_sha256:
+    try:
+        data = top.read_bytes()
+    except FileNotFoundError:
+        raise checkpoint.CheckpointError(f"{path} is not a pipeline checkpoint (no {MANIFEST})") from None
+    sha = hashlib.sha256(data).hexdigest()
+    if expect_sha256 is not None and sha != expect_sha256.strip().lower():
         raise checkpoint.CheckpointError(f"{path}: {MANIFEST} has SHA-256 {sha}, expected {expect_sha256} "
                                          "(not the checkpoint the alarm named, or modified)")
-    manifest = json.loads(top.read_text())
+    try:
+        manifest = json.loads(data)
+    except ValueError as exc:
+        raise checkpoint.CheckpointError(f"{top} is not valid JSON: {exc}") from None
+    problems = manifest_problems(manifest)
+    if problems:
+        raise checkpoint.CheckpointError(f"{top}: " + "; ".join(problems))
+    if expect_step is not None and int(manifest["step"]) != int(expect_step):
+        raise checkpoint.CheckpointError(f"{path} now holds the checkpoint of step {manifest['step']}, not step "
+                                         f"{expect_step}: it was written again after the alarm named it; do not "
+                                         "resume from it")
+    return {**manifest, "sha256": sha}
+
+
+def manifest_problems(manifest: Any) -> list[str]:
+    """Pure: what is wrong with the form of a parsed ``pipeline.json`` (empty when nothing): the
+    schema, a verified save, a step, and one entry per pipeline position naming that position's
+    file as the store writes it (a manifest naming any other file, ``../`` included, is refused)."""
+    if not isinstance(manifest, dict):
+        return ["not a JSON object"]
     if manifest.get("schema") != SCHEMA:
-        raise checkpoint.CheckpointError(f"{top}: unknown schema {manifest.get('schema')!r}")
-    if expect_step is not None and int(manifest["step"]) != expect_step:
-        raise checkpoint.CheckpointError(f"{path} holds step {manifest['step']}, expected {expect_step}")
-    return {**manifest, "sha256": sha}  # the checkpoint's identity: what the history records
+        return [f"unknown schema {manifest.get('schema')!r}"]
+    problems = []
+    if manifest.get("verified") is not True:
+        problems.append("does not record a verified checkpoint")
+    for key, least in (("step", 0), ("positions", 1), ("replicas", 1), ("num_stages", 1)):
+        if not _is_count(manifest.get(key), least):
+            problems.append(f"{key!r} is {manifest.get(key)!r}, not a whole number from {least}")
+    stages = manifest.get("stages")
+    if not isinstance(stages, dict):
+        return problems + ["'stages' is not an object"]
+    if problems:
+        return problems
+    wanted = {str(p) for p in range(manifest["positions"])}
+    if set(stages) != wanted:
+        missing, extra = sorted(wanted - set(stages), key=int), sorted(set(stages) - wanted)
+        problems.append(f"lists positions {sorted(stages)} for a pipeline of {manifest['positions']}"
+                        + (f" (missing {missing})" if missing else "") + (f" (unexpected {extra})" if extra else ""))
+    for key in sorted(wanted & set(stages), key=int):
+        problems += _entry_problems(int(key), stages[key])
+    return problems
+
+
+def _entry_problems(position: int, entry: Any) -> list[str]:
+    if not isinstance(entry, Mapping):
+        return [f"position {position}: not an object"]
+    problems = []
+    if entry.get("file") != stage_file(position):
+        problems.append(f"position {position}: names file {entry.get('file')!r}, not {stage_file(position)!r}")
+    sha = entry.get("sha256")
+    if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+        problems.append(f"position {position}: sha256 {sha!r} is not a SHA-256")
+    return problems
+
+
+def _is_count(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def is_pipeline_checkpoint(path: str | os.PathLike[str]) -> bool:

@@ -172,9 +172,10 @@ def param_groups(model: torch.nn.Module) -> Iterator[tuple[str, Any, Any]]:
                     yield path, module, group
 
 
-def read_layout(model: torch.nn.Module) -> ShardLayout:
-    """The layout of an FSDP2 model; every ``fully_shard`` must use the same mesh (one mesh, 1-D or
-    ``(replicate, shard)``), else TypeError naming the module that differs."""
+def mesh_ranks(model: torch.nn.Module) -> tuple[list[Any], str]:
+    """``(ranks, path)``: the global ranks of the one mesh every ``fully_shard`` of ``model`` uses
+    (``DeviceMesh.mesh.tolist()``, rows = replicas for HSDP; a flat list for a 1-D mesh) and the
+    first unit's path; TypeError naming the module whose mesh is not supported or differs."""
     seen: tuple[list[Any], str] | None = None
     for path, _, group in param_groups(model):
         info = group.mesh_info
@@ -191,15 +192,22 @@ def read_layout(model: torch.nn.Module) -> ShardLayout:
         seen = (ranks, path)
     if seen is None:
         raise TypeError("sdcguard: the FSDP2 model holds no sharded parameters")
+    return seen
+
+
+def read_layout(model: torch.nn.Module) -> ShardLayout:
+    """The layout of an FSDP2 model; every ``fully_shard`` must use the same mesh (one mesh, 1-D or
+    ``(replicate, shard)``), else TypeError naming the module that differs."""
+    seen = mesh_ranks(model)
     rank = dist.get_rank()
     columns = tensor_parallel_columns(model)
     if columns is None:
         held = sum(len(row) for row in seen[0]) if seen[0] and isinstance(seen[0][0], list) else len(seen[0])
         if held != dist.get_world_size():
             raise TypeError(f"sdcguard: FSDP2's mesh holds {held} of the job's {dist.get_world_size()} ranks and the "
-                            "parameters carry no tensor-parallel dimension: pipeline, context or expert parallelism "
-                            "is not checked yet (sdcguard checks FSDP2/HSDP, with tensor parallelism in the "
-                            "parameters' mesh)")
+                            "parameters carry no tensor-parallel dimension: for a pipeline stage, build the Guard on "
+                            "the pipeline schedule (Guard(schedule, optimizer)); context or expert parallelism is not "
+                            "checked (sdcguard checks FSDP2/HSDP, with tensor parallelism in the parameters' mesh)")
         layout = layout_of(seen[0], rank)
     else:
         layout = columns_layout(columns, rank)

@@ -16,6 +16,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--replicate", type=int, default=2, help="data_parallel_replicate_degree")
     add("--shard", type=int, default=2, help="data_parallel_shard_degree")
     add("--tp", type=int, default=1, help="tensor_parallel_degree (the fastest mesh dimension)")
+    add("--pp", type=int, default=1, help="pipeline_parallel_degree (the slowest mesh dimension)")
+    add("--pp-schedule", default="1F1B", help="pipeline_parallel_schedule (GPipe, 1F1B, Interleaved1F1B, ...)")
+    add("--layers", type=int, default=2, help="the tiny llama3's layers (a pipeline needs one per stage at least)")
     add("--steps", type=int, default=6)
     add("--accum", type=int, default=2, help="gradient accumulation steps (global_batch_size / local / dp)")
     add("--batch-size", type=int, default=2, help="local_batch_size")
@@ -110,12 +113,11 @@ def _keep_going(trainer: Any) -> None:
 def _write(trainer: Any, args: argparse.Namespace, error: BaseException | None) -> None:
     from sdcguard.fingerprint import digest, fingerprint
     rank = torch.distributed.get_rank()
-    model = trainer.model_parts[0]
     data: dict[str, Any] = {
         "rank": rank, "step": trainer.step,
         "losses": getattr(trainer, "losses", {}),
         "weights_digest": digest(fingerprint(getattr(p, "to_local", p.detach)().detach())
-                                 for p in model.parameters()).hex(),
+                                 for model in trainer.model_parts for p in model.parameters()).hex(),
         "alarm": getattr(error, "alarm", None),
         "alarms": getattr(trainer, "alarms", []), "errors": getattr(trainer, "errors", []),
         "error": None if error is None else f"{type(error).__name__}: {error}",

@@ -16,6 +16,21 @@ at import) sets that module's ``device_type`` to ``"cpu"`` and its ``device_modu
 ``init_distributed`` then picks gloo for ``cpu`` by itself. It also gives ``torch.distributed`` the
 ``set_timeout`` that ``set_pg_timeouts`` calls after the first step (this torch build has it as
 ``distributed_c10d._set_pg_timeout``). With a GPU none of this is needed.
+
+**The pipeline shim.** torchtitan 0.3.0 runs its pipeline with the micro-batches it made itself,
+``pp_schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=..., losses=..., loss_kwargs=...,
+return_outputs=False)``, an API of torch releases newer than 2.13, whose ``step`` takes only the
+whole batch (to split it itself) and passes the lists on as model keyword arguments::
+
+    torch/distributed/pipelining/schedules.py: check_type_and_len(arg_mbs, "arg_mbs")
+    ValueError: Expecting 2 arg_mbs but got 1
+
+:func:`pipeline_on_torch_2_13` (the tiny model's ``pipelining_fn``) builds torchtitan's pipeline
+with ``pipeline_llm`` and gives its schedule a subclass of its own class whose ``step`` runs given
+micro-batches as that newer ``step`` does: the per-step bookkeeping of torch's own ``step``, then
+the schedule's ``_step_microbatches`` on the lists unsplit. A subclass, not a patched method, so
+that a schedule rebuilt from ``type(schedule)`` (sdcguard's replay) takes them too. With a torch
+whose ``step`` takes ``arg_mbs`` it changes nothing.
 """
 from __future__ import annotations
 
@@ -145,7 +160,7 @@ def tiny_llama3(dim: int = 32, n_layers: int = 2, n_heads: int = 2, vocab: int =
     for _, _, parent, attr in model.traverse(FlexAttention.Config):
         setattr(parent, attr, ScaledDotProductAttention.Config())
     return ModelSpec(name="llama3", flavor="tiny", model=model, parallelize_fn=parallelize_on_gloo,
-                     pipelining_fn=None, post_optimizer_build_fn=None, state_dict_adapter=None)
+                     pipelining_fn=pipeline_on_torch_2_13, post_optimizer_build_fn=None, state_dict_adapter=None)
 
 
 def parallelize_on_gloo(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
@@ -165,13 +180,48 @@ def parallelize_on_gloo(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Modul
     return model
 
 
+def pipeline_on_torch_2_13(model: torch.nn.Module, **kwargs: Any) -> Any:
+    """torchtitan's ``pipeline_llm``, its schedule given micro-batch lists (the module docstring)."""
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+
+    schedule, model_parts, has_first_stage, has_last_stage = pipeline_llm(model, **kwargs)
+    schedule.__class__ = _taking_microbatch_lists(type(schedule))
+    return schedule, model_parts, has_first_stage, has_last_stage
+
+
+def _taking_microbatch_lists(schedule_class: type) -> type:
+    import inspect
+    if "arg_mbs" in inspect.signature(schedule_class.step).parameters:  # a newer torch: as it is
+        return schedule_class
+
+    class MicrobatchLists(schedule_class):  # type: ignore[misc, valid-type]
+        def step(self, *args: Any, target: Any = None, losses: list | None = None, return_outputs: bool = True,
+                 loss_kwargs: dict[str, Any] | None = None, arg_mbs: list | None = None,
+                 kwarg_mbs: list | None = None, target_mbs: list | None = None, **kwargs: Any) -> Any:
+            if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+                return super().step(*args, target=target, losses=losses, return_outputs=return_outputs,
+                                    loss_kwargs=loss_kwargs, **kwargs)
+            stages = list(getattr(self, "_stages", None) or [self._stage])
+            for stage in stages:  # torch's step() does this before it splits the batch
+                stage.has_backward = self._has_backward
+                stage.clear_runtime_states()
+            self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+            for stage in stages:
+                if stage.is_last and return_outputs:
+                    return self._merge_outputs(stage.output_chunks)
+            return None
+
+    MicrobatchLists.__name__ = MicrobatchLists.__qualname__ = schedule_class.__name__
+    return MicrobatchLists
+
+
 def tiny_config(args: Any, config_class: type = Trainer.Config, **extra: Any) -> Any:
     """A tiny torchtitan job from the example's flags: float32 weights (parameters in float32 or,
     with ``--mixed-precision-param bfloat16``, bfloat16 in forward and backward), compile off, the mesh
     from ``--replicate`` / ``--shard`` / ``--tp``, accumulation through ``global_batch_size``."""
     dp = args.replicate * args.shard
     return config_class(
-        model_spec=tiny_llama3(),
+        model_spec=tiny_llama3(n_layers=args.layers),
         hf_assets_path="",
         dump_folder=args.out,
         tokenizer=TinyTokenizer.Config(),
@@ -185,6 +235,7 @@ def tiny_config(args: Any, config_class: type = Trainer.Config, **extra: Any) ->
                                 mixed_precision_param=args.mixed_precision_param, disable_cuda_graphs=True, gc_freq=1000),
         parallelism=ParallelismConfig(data_parallel_replicate_degree=args.replicate,
                                       data_parallel_shard_degree=args.shard, tensor_parallel_degree=args.tp,
+                                      pipeline_parallel_degree=args.pp, pipeline_parallel_schedule=args.pp_schedule,
                                       spmd_backend=args.spmd_backend,
                                       fsdp_reshard_after_forward=os.environ.get("TT_RESHARD", "default")),
         compile=CompileConfig(enable=args.compile),
