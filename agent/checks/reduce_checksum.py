@@ -273,8 +273,8 @@ def blocked_fold(rows: torch.Tensor, scale: float | None = None) -> tuple[torch.
     blocks = -(-cols // max(1, BLOCK_BYTES // (ROWS * 4)))
     width = -(-cols // blocks)
     block_buf, half_buf = _buffers(width)
-    p = torch.empty(cols, dtype=torch.float32)
-    parts = torch.empty(blocks, dtype=torch.float32)
+    p = torch.empty(cols, dtype=torch.float32, device=rows.device)
+    parts = torch.empty(blocks, dtype=torch.float32, device=rows.device)
     half = ROWS // 2
     for k in range(blocks):
         j0 = k * width
@@ -298,8 +298,8 @@ def _buffers(width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This thread's scratch for blocks of ``width`` columns (made once, grown if needed)."""
     block = getattr(_scratch, "block", None)
     if block is None or block.numel() < ROWS * width:
-        _scratch.block = block = torch.empty(ROWS * width, dtype=torch.float32)
-        _scratch.half = torch.empty(ROWS // 2 * width, dtype=torch.float32)
+        _scratch.block = block = torch.empty(ROWS * width, dtype=torch.float32, device="cpu")
+        _scratch.half = torch.empty(ROWS // 2 * width, dtype=torch.float32, device="cpu")
     return block, _scratch.half
 
 

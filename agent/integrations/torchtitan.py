@@ -238,12 +238,15 @@ class GuardedCheckpointManager(CheckpointManager):
         """The verified checkpoint is this run's starting point: its step, what it was covered by,
         and — after torchtitan loaded it — each rank's shards against the digest the manifest records."""
         guard = self.guard
-        entry = manifest["shards"][self._placement().mine]
-        names = manifest["parameters"]
-        mine = self._model_report()
-        ndims = {n: len(c[0]) for n, c in zip(names, entry["chunks"])}
-        ok = ([n for n in names if n in set(mine["names"])] == mine["names"]
-              and in_manifest_order(mine, names, ndims)["digest"] == entry["digest"])
+        mine = self._model_report()  # collective (the split all-gathers): before anything that may fail
+        try:  # a manifest of another mesh (DCP resharded the load) must not leave one rank behind
+            entry = manifest["shards"][self._placement().mine]
+            names = manifest["parameters"]
+            ndims = {n: len(c[0]) for n, c in zip(names, entry["chunks"])}
+            ok = ([n for n in names if n in set(mine["names"])] == mine["names"]
+                  and in_manifest_order(mine, names, ndims)["digest"] == entry["digest"])
+        except (IndexError, KeyError, TypeError, ValueError):
+            ok = False
         agree(guard, None if ok else f"sdcguard: the weights torchtitan loaded from {folder} are not those its "
                                      "manifest records")
         weights = guard.layout.fingerprint_weights() if manifest.get("weights_verified") else None

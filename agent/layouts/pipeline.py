@@ -75,8 +75,15 @@ class Pipeline:
                             "loss_fn would have to scale): train in bfloat16 autocast, or float32")
         self.schedule = schedule
         self.stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
-        self.replicas: StageReplicas = stage_replicas(self.stages, reduce_hook=reduce_hook, reduce_state=reduce_state,
-                                                      seed=seed)
+        refusal, replicas = None, None
+        try:
+            replicas = stage_replicas(self.stages, reduce_hook=reduce_hook, reduce_state=reduce_state, seed=seed)
+        except TypeError as exc:
+            refusal = str(exc)
+        said = sorted({r for r in gather_objects(refusal, None, device) if r})
+        if said or replicas is None:  # refused on every rank alike: none is left waiting in a collective
+            raise TypeError(said[0] if said else refusal)
+        self.replicas: StageReplicas = replicas
         self.modules = self.replicas.modules
         self.module: torch.nn.Module = torch.nn.ModuleDict(
             {f"stage{st.stage_index}": m for st, m in zip(self.stages, self.modules)})
@@ -110,11 +117,12 @@ class Pipeline:
         mine = {"pp": dist.get_process_group_ranks(self.stages[0].group),
                 "dp": self.replicas.dp_ranks(),
                 "stages": sorted(st.stage_index for st in self.stages), "num_stages": self.stages[0].num_stages,
-                "replication": self.replicas.kind, "checks_reduction": self.replicas.checks_reduction}
+                "replication": _replication(self.replicas), "checks_reduction": self.replicas.checks_reduction}
         everyone = gather_objects(mine, None, self.device)
         kinds = sorted({m["replication"] for m in everyone})
         if len(kinds) > 1:  # every rank refuses alike, before any group is made on some ranks only
-            raise TypeError(f"sdcguard: the pipeline's stages are replicated by {' and '.join(kinds)}: use one for every stage")
+            raise TypeError(f"sdcguard: the pipeline's stages are replicated by {' and '.join(kinds)}: replicate "
+                            "every stage alike")
         # one vote over the job: check 4 is judged everywhere or nowhere (a stage's reduction that is
         # not a plain average turns it off for the whole job, as the start-up plan says)
         self.checks_reduction = all(m["checks_reduction"] for m in everyone)
@@ -344,3 +352,9 @@ def _position_group(grid: Grid, rank: int) -> dist.ProcessGroup:
             mine = group
     assert mine is not None
     return mine
+
+
+def _replication(replicas: StageReplicas) -> str:
+    """What every stage's replication must match: the kind, and FSDP2's replicas x shards."""
+    shape = replicas.mesh_shape
+    return replicas.kind if shape is None else f"{replicas.kind} over {shape[0]} replicas x {shape[1]} shards"

@@ -17,6 +17,7 @@ here, behind one small interface (:class:`StageReplicas`), so that the layout ha
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
@@ -48,6 +49,8 @@ class StageReplicas(Protocol):
     """The data parallelism over this rank's stages (see the module docstring)."""
 
     kind: str
+    mesh_shape: tuple[int, int] | None
+    """FSDP2: replicas x shards over each stage; DDP: None."""
     modules: list[torch.nn.Module]
     """The stage modules the optimizer and the checkpoint see, by stage."""
     checks_reduction: bool
@@ -107,6 +110,7 @@ class DdpStages:
     """Each stage module wrapped in ``DistributedDataParallel`` over the ranks holding that stage."""
 
     kind = "DDP"
+    mesh_shape: tuple[int, int] | None = None
     # The schedule's first step infers shapes by running DDP's forward outside no_sync: that
     # primes the reducer, which then reduces that step in another order (the last bits differ).
     audits_first_step = False
@@ -211,6 +215,9 @@ class DdpStages:
         optimizer.load_state_dict(optim)
 
 
+_WRAPPER = re.compile(r"(?:_orig_mod|_checkpoint_wrapped_module)\.|\.(?:_orig_mod|_checkpoint_wrapped_module)$")
+
+
 class FsdpStages:
     """Each stage module sharded with FSDP2's ``fully_shard`` over the ranks holding that stage
     (pure FSDP, or HSDP: replicas of each shard)."""
@@ -236,6 +243,8 @@ class FsdpStages:
             self.layout = layout
             require_supported(module, single_shard=layout.shards == 1)
         assert self.layout is not None
+        self.mesh_shape: tuple[int, int] | None = (self.layout.replicas, self.layout.shards)
+        """Replicas x shards of every stage's mesh (the same over the whole job, or refused)."""
         self.recorders = []
         for module in self.modules:
             recorder = ShardedRecorder(self.layout, seed)
@@ -320,8 +329,9 @@ class FsdpStages:
         return fingerprint_shards(named_parameters) if self.layout.hsdp else None
 
     def state_names(self, names: list[str]) -> list[str]:
-        # the full state dict's keys: torch.compile's wrapper of a block is not in them
-        return [n.replace("._orig_mod", "").replace("_orig_mod.", "") for n in names]
+        # the full state dict's keys: torch.compile's and activation checkpointing's wrappers of a
+        # block are not in them
+        return [_WRAPPER.sub("", n) for n in names]
 
     def file_digest(self, weight_digest: str | None, state: dict[str, Any], model_key: str, names: list[str]) -> str:
         # check 3 compared shards; the file holds them gathered: its digest is of what it holds (the
