@@ -64,6 +64,20 @@ def test_pipeline_parallelism_is_checked_within_what_the_pipeline_layout_covers(
     assert "pipeline_parallel_schedule_csv='s.csv'" in refusals(**pp, pp_schedule_csv="s.csv")[0]
     assert "data parallel degree 1" in refusals(**{**pp, "dp_replicate": 1})[0]  # a pure pipeline: nothing to compare
     assert refusals(**{**pp, "pp": 1}) == ["2 model parts"]
+    (masks,) = refusals(**pp, pp_masked_attention="FlexAttention")
+    assert masks.startswith("FlexAttention with parallelism.pipeline_parallel_degree=2: its attention masks travel")
+    assert refusals(**{**pp, "pp": 1, "model_parts": 1}, pp_masked_attention="FlexAttention") == []  # no pipeline
+
+
+def test_flex_and_varlen_attention_are_found_in_the_model_parts():
+    import torch
+    from torchtitan.models.common.attention import FlexAttention
+
+    from sdcguard.integrations.torchtitan import _masked_attention
+    flex = FlexAttention.__new__(FlexAttention)  # only its type is read
+    torch.nn.Module.__init__(flex)
+    assert _masked_attention([torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Sequential(flex)]) == "FlexAttention"
+    assert _masked_attention([torch.nn.Sequential(torch.nn.Linear(2, 2))]) is None
 
 
 def test_a_guarded_trainer_refuses_pipeline_accumulation_before_building(monkeypatch):

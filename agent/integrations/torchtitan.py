@@ -499,8 +499,16 @@ def _refuse_unchecked(config: GuardedTrainer.Config) -> None:
 
 
 def _require_checkable(trainer: Trainer) -> None:
-    """The same, on what torchtitan built (its model parts too)."""
-    _raise_for(refusals(**_degrees(trainer.parallel_dims, trainer.config), model_parts=len(trainer.model_parts)))
+    """The same, on what torchtitan built (its model parts, and their attention, too)."""
+    _raise_for(refusals(**_degrees(trainer.parallel_dims, trainer.config), model_parts=len(trainer.model_parts),
+                        pp_masked_attention=_masked_attention(trainer.model_parts)))
+
+
+def _masked_attention(parts: list[torch.nn.Module]) -> str | None:
+    """The name of the first attention whose masks are not tensors (torchtitan's flex or varlen), or None."""
+    from torchtitan.models.common.attention import FlexAttention, VarlenAttention
+    return next((type(m).__name__ for part in parts for m in part.modules()
+                 if isinstance(m, (FlexAttention, VarlenAttention))), None)
 
 
 def _degrees(dims: Any, config: Trainer.Config) -> dict[str, Any]:
@@ -526,7 +534,7 @@ PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 
 def refusals(*, pp: int, cp: int, ep: int, dp_replicate: int, dp_shard: int, model_parts: int,
              spmd_backend: str = "partial_dtensor", tp: int = 1, accumulation: int = 1, pp_schedule: str = "1F1B",
-             pp_schedule_csv: str = "") -> list[str]:
+             pp_schedule_csv: str = "", pp_masked_attention: str | None = None) -> list[str]:
     """Pure: why sdcguard cannot check a torchtitan job of these degrees (empty: it can), each
     reason naming the setting. ``tensor_parallel_degree`` alone is not among them: TP under
     FSDP2/HSDP is checked (``layouts/tensor_parallel.py``; the layout refuses a mesh whose replay
@@ -555,6 +563,12 @@ def refusals(*, pp: int, cp: int, ep: int, dp_replicate: int, dp_shard: int, mod
         elif pp_schedule.lower() not in {name.lower() for name in PIPELINE_SCHEDULES}:  # torch's names ignore case
             problems.append(f"parallelism.pipeline_parallel_schedule={pp_schedule!r} is not checked (checked: "
                             f"{', '.join(PIPELINE_SCHEDULES)})")
+        # the masks ride in the schedule's keyword arguments, which a replay receives as data loaded
+        # with weights_only: a BlockMask (a mask function) or varlen metadata cannot travel so
+        if pp_masked_attention:
+            problems.append(f"{pp_masked_attention} with parallelism.pipeline_parallel_degree={pp}: its attention "
+                            "masks travel in the schedule's keyword arguments, which a replay cannot receive (they "
+                            "are not tensors); use scaled dot-product attention (attn_backend='sdpa') under PP")
     if cp > 1:
         # a CP group computes one batch together (each rank a slice of the sequence, keys and values
         # passed around the group by ring attention), like a TP group; but torchtitan folds cp into
