@@ -184,15 +184,18 @@ def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module,
 
 
 def read_verified_state(path: str | os.PathLike[str], *, map_location: Any = "cpu", expect_step: int | None = None,
-                        expect_sha256: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+                        expect_sha256: str | None = None,
+                        allow_globals: Sequence[Any] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(state, manifest)`` of a checkpoint file whose bytes, step and weights match its manifest
-    (and what an alarm named), read with ``weights_only=True``, before anything is loaded into a
-    model: for a caller that loads the state its own way (a sharded pipeline stage)."""
+    (and what an alarm named), read with ``weights_only=True`` (besides tensors and plain values,
+    only the classes ``allow_globals`` names), before anything is loaded into a model: what
+    :func:`verify_checkpoint` checks, for a caller that loads the state its own way (a sharded
+    pipeline stage)."""
     path = Path(path)
     manifest = read_manifest(path, expect_step=expect_step, expect_sha256=expect_sha256)
     if "parameters" not in manifest:
         raise CheckpointError(f"manifest {manifest_path(path)} lists no parameters")
-    state = _verified_state(path, manifest, map_location, True)
+    state = _verified_state(path, manifest, map_location, True, allow_globals)
     key = manifest.get("model_key", "model")
     found = state_digest(state, key, manifest["parameters"], where=str(path))
     if found != manifest["weight_digest"]:
@@ -220,15 +223,8 @@ def verify_checkpoint(path: str | os.PathLike[str], *, expect_step: int | None =
     tensors and plain values only the classes in ``allow_globals`` (ValueError for a function, any
     other callable, or anything from :data:`REFUSED_MODULES`: see :func:`refuse_global`). Raises
     CheckpointError (:class:`UnsafeGlobals` for a file that holds other objects, naming them)."""
-    path = Path(path)
-    allow_globals = check_allowed(allow_globals)
-    manifest = read_manifest(path, expect_step=expect_step, expect_sha256=expect_sha256)
-    if "parameters" not in manifest:
-        raise CheckpointError(f"manifest {manifest_path(path)} lists no parameters")
-    state = _verified_state(path, manifest, "cpu", True, allow_globals)
-    found = state_digest(state, manifest.get("model_key", "model"), manifest["parameters"], where=str(path))
-    if found != manifest["weight_digest"]:
-        raise CheckpointError(f"{path}: its weights have digest {found}, manifest says {manifest['weight_digest']}")
+    _, manifest = read_verified_state(path, expect_step=expect_step, expect_sha256=expect_sha256,
+                                      allow_globals=check_allowed(allow_globals))
     return Verification(str(path), int(manifest["step"]), manifest.get("audited_step"), bool(manifest.get("audited")),
                         manifest["weight_digest"], len(manifest["parameters"]), manifest["sha256"])
 

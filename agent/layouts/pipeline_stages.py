@@ -73,9 +73,9 @@ class StageReplicas(Protocol):
     """The ranks holding this rank's stages, as one group, if there is one already (else the layout makes it)."""
     def state_names(self, names: list[str]) -> list[str]: ...
     def file_digest(self, weight_digest: str | None, state: dict[str, Any], model_key: str, names: list[str]) -> str: ...
-    def loaded_digest(self, digest: str, named_parameters: list[tuple[str, torch.nn.Parameter]],
+    def loaded_digest(self, digest: str, module: torch.nn.Module, named_parameters: list[tuple[str, torch.nn.Parameter]],
                       model_key: str) -> str | None: ...
-    def state(self, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]: ...
+    def state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]: ...
     def load_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, model: dict[str, Any],
                    optim: dict[str, Any]) -> None: ...
 
@@ -130,7 +130,6 @@ class DdpStages:
             self.recorders.append(recorder)
         self.checks_reduction = all(r.checks_reduction for r in self.recorders)
         self.weights_group = self.group
-        self._saved: list[torch.Tensor | None] = []
 
     def dp_ranks(self) -> list[int]:
         return dist.get_process_group_ranks(self.group)
@@ -156,8 +155,9 @@ class DdpStages:
 
     def vote(self, device: torch.device) -> StageVote:
         votes = [r.vote(device) for r in self.recorders]
-        underflow = sum(underflow_share(r.shape(), r.shape().world) for r in self.recorders)
-        return StageVote(_sum(votes), underflow, sum(r.shape().buckets for r in self.recorders),
+        shapes = [r.shape() for r in self.recorders]
+        underflow = sum(underflow_share(shape, shape.world) for shape in shapes)
+        return StageVote(_sum(votes), underflow, sum(shape.buckets for shape in shapes),
                          lambda: _sum([r.rows(device) for r in self.recorders]))
 
     def own_grads(self) -> Grads:
@@ -197,7 +197,7 @@ class DdpStages:
     def file_digest(self, weight_digest: str | None, state: dict[str, Any], model_key: str, names: list[str]) -> str:
         return weight_digest or ""  # check 3's digest of these very weights (checkpoint.save compares)
 
-    def loaded_digest(self, digest: str, named_parameters: list[tuple[str, torch.nn.Parameter]],
+    def loaded_digest(self, digest: str, module: torch.nn.Module, named_parameters: list[tuple[str, torch.nn.Parameter]],
                       model_key: str) -> str | None:
         loaded = fingerprint_weights(named_parameters).digest.hex()
         if loaded != digest:
@@ -205,8 +205,7 @@ class DdpStages:
             raise CheckpointError(f"the loaded weights have digest {loaded}, the manifest says {digest}")
         return digest
 
-    def state(self, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-        module = torch.nn.ModuleDict({f"stage{i}": m for i, m in zip(self.indices, self.modules)})
+    def state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
         return module.state_dict(), optimizer.state_dict()
 
     def load_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, model: dict[str, Any],
@@ -339,24 +338,23 @@ class FsdpStages:
         from ..checkpoint import state_digest
         return state_digest(state, model_key, names, where="the gathered stage state")
 
-    def loaded_digest(self, digest: str, named_parameters: list[tuple[str, torch.nn.Parameter]],
+    def loaded_digest(self, digest: str, module: torch.nn.Module, named_parameters: list[tuple[str, torch.nn.Parameter]],
                       model_key: str) -> str | None:
         """The loaded shards gathered again (collective per stage) against the file's digest: a
         fault while sharding it back is not carried into the run as verified weights."""
         from ..checkpoint import CheckpointError, state_digest
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        loaded = get_model_state_dict(self._module(), options=StateDictOptions(full_state_dict=True))
+        loaded = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
         found = state_digest({model_key: loaded}, model_key, self.state_names([n for n, _ in named_parameters]),
                              where="the loaded stage state")
         if found != digest:
             raise CheckpointError(f"the loaded shards gather to weights of digest {found}, the file holds {digest}")
         return None  # check 3 compares shards from here on, not the file's digest
 
-    def state(self, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    def state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
         """The stages' full (unsharded) state, the same on every rank of the position (collective
         over each stage's mesh)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-        module = self._module()
         options = StateDictOptions(full_state_dict=True)
         return (get_model_state_dict(module, options=options),
                 get_optimizer_state_dict(module, optimizer, options=options))
@@ -367,9 +365,6 @@ class FsdpStages:
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(module, model, options=options)
         set_optimizer_state_dict(module, optimizer, optim, options=options)
-
-    def _module(self) -> torch.nn.Module:
-        return torch.nn.ModuleDict({f"stage{i}": m for i, m in zip(self.indices, self.modules)})
 
 
 @contextlib.contextmanager

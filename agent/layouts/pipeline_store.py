@@ -81,7 +81,7 @@ class PipelineStore:
         failure, sha, digest, mine = None, None, None, {}
         try:
             with self.zero_update():
-                model_state, optimizer_state = self.replicas.state(self.optimizer)  # FSDP2: collective per stage
+                model_state, optimizer_state = self.replicas.state(self.module, self.optimizer)  # FSDP2: collective per stage
             mine = {"step": step, model_key: model_state, "optimizer": optimizer_state, "scaler": None}
             digest = self.replicas.file_digest(weight_digest, mine, model_key, names)
         except Exception as exc:  # noqa: BLE001 - every rank learns it below, none is left waiting
@@ -156,7 +156,7 @@ class PipelineStore:
             try:
                 with self.zero_update():
                     self.replicas.load_state(self.module, self.optimizer, state[model_key], state["optimizer"])
-                digest = self.replicas.loaded_digest(digest, self.named_parameters, model_key)
+                digest = self.replicas.loaded_digest(digest, self.module, self.named_parameters, model_key)
             except Exception as exc:  # noqa: BLE001 - every rank learns it below (a load within a stage's mesh is collective)
                 failure = f"{type(exc).__name__}: {exc}"
         failures = sorted({f for f in gather_objects(failure, None, self.device) if f})
