@@ -30,8 +30,11 @@ import torch
 from .checks.determinism import deterministic
 from .checks.replay import ForwardBuffers, Payload, Weighting
 from .checks.rng import forward_seed, seeded
-from .fingerprint import fingerprint_many
+from .fingerprint import fingerprint_sums
 from .layouts.base import Layout, StepRecord
+
+_NO_SUMS = torch.zeros((0, 2), dtype=torch.int64)
+"""A step's loss fingerprint sums when it audits nothing."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,8 +255,8 @@ class Step:
 
     def record(self) -> StepRecord:
         """What the checks read of this step."""
-        loss_fps = fingerprint_many(self.audited_losses) if self.audited_losses else []
-        return StepRecord(self.step, self.audit, self.payload(), loss_fps, list(self.losses))
+        loss_sums = fingerprint_sums(self.audited_losses) if self.audited_losses else _NO_SUMS
+        return StepRecord(self.step, self.audit, self.payload(), loss_sums, list(self.losses))
 
     # -- the context ---------------------------------------------------------------------------
 

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from . import recovery
-from .checks.exchange import DIGEST_BYTES, TRAFFIC, agree, gather_digests, serialize, wait
-from .checks.nonfinite import gather_norms, judge_nonfinite, nonfinite_local_ranks, sum_votes
+from .checks.exchange import DIGEST_BYTES, agreed, gather_digests, serialize, start_agreement, wait
+from .checks.nonfinite import gather_norms, judge_nonfinite, nonfinite_local_ranks, start_sum, sum_votes
 from .checks.reduce_checksum import failed_on_device, judge_checksum
 from .checks.verdict import Verdict
 from .checks.weights import WeightCheck
@@ -71,11 +71,9 @@ class Verifier:
         """Checks 1a, 1b and 4; on audit steps then 2 and 3 (a NaN step is not replayed)."""
         if self.solo:
             return self._solo(s)
-        outcome = self._nonfinite_and_reduction(s, scale)
-        if outcome is not None or not s.audit:
-            return outcome or PASSED
-        verdict = self._audit(s, scale)
-        return PASSED if verdict is None else Outcome(verdict)
+        if not s.audit:
+            return self._nonfinite_and_reduction(s, scale) or PASSED
+        return self._audit(s, scale)
 
     def _solo(self, s: StepRecord) -> Outcome:
         """One replica: only the local non-finite check can run, and it cannot be confirmed."""
@@ -172,32 +170,63 @@ class Verifier:
             return Outcome(confirmation.verdict)
         return Outcome(nonfinite=confirmation.reproduced)
 
-    def _audit(self, s: StepRecord, scale: Scale) -> Verdict | None:
-        """Checks 2 and 3 with one collective besides the batch transfer between ring
-        neighbours (and the layout's own, if any): this rank's batch leaves for its replayer with
-        the digest of its own pass, the weights are fingerprinted while it travels (before the
-        replay), the neighbour's batch is replayed and compared locally, and one 16-byte
-        all-reduce says whether every rank's weights agree and its replay matched. Only when it
-        says no are the digests gathered and judged — weights, then replays — so that a weight
-        fault is not taken for a compute fault."""
+    def _audit(self, s: StepRecord, scale: Scale) -> Outcome:
+        """Checks 1a/1b and 4, then 2 and 3, with two collectives besides the batch transfer
+        between ring neighbours (and the layout's own, if any): check 1's 16-byte vote is started
+        first and travels while this rank's batch leaves for its replayer with the digest of its
+        own pass, the weights are fingerprinted (before the replay), and the neighbour's batch is
+        replayed and compared locally; then one 16-byte all-reduce says whether every rank's
+        weights agree and its replay matched, and both answers reach the host in one read.
+
+        Check 1's sums are judged first, as on an ordinary step: a step they stop (a NaN/Inf, a
+        fault inside the all-reduce) is that step's outcome, and what the audit found is set aside
+        (its replay ran on the same gradients; nothing of it is counted as a run). So is an audit
+        that raised on every rank (a batch that could not be received): the sums are judged
+        before the error is raised. Only when the agreement says no are the digests gathered and
+        judged — weights, then replays — so that a weight fault is not taken for a compute fault."""
         step, layout = s.step, self.layout
         started = time.perf_counter()
-        own = layout.own_pass(s)
-        own_digest = own.digest()
-        incoming = layout.post_batch(serialize(s.payload), own_digest)
-        weights_started = time.perf_counter()
-        weights = layout.fingerprint_weights()
-        token, weights_ok = layout.weights_token(weights)
-        self.stats.timed("weights", weights_started)
-        started += time.perf_counter() - weights_started  # the replay's time leaves the weights' out
-        replayed, failure = layout.replay(step, incoming, scale)
+        vote = layout.vote(s)
+        total, vote_work = start_sum(vote.vote, self.group)
+        self.stats.timed("nonfinite", started)  # its wait is the audit's, below
+        started = time.perf_counter()
+        try:
+            own = layout.own_pass(s)
+            own_digest = own.digest()
+            incoming = layout.post_batch(serialize(s.payload), own_digest)
+            weights_started = time.perf_counter()
+            weights = layout.fingerprint_weights()
+            weights_answer = layout.weights_token(weights)  # on its way while the replay runs
+            weights_seconds = time.perf_counter() - weights_started
+            replayed, failure = layout.replay(step, incoming, scale)
+        except Exception:
+            # Raised on every rank alike (the layouts agree on a replay's readiness first): the
+            # sums still decide the step when they stop it.
+            wait(vote_work)
+            x, y = total.tolist()
+            outcome = self._judge_sums(s, vote, x, y, scale)
+            if outcome is not None and outcome is not PASSED:
+                return outcome
+            raise
+        started += weights_seconds  # the replay's time leaves the weights' out
         if failure is not None:
             log.error("sdcguard: replaying rank %d's batch failed: %s: %s",
                       self.topology.replay_target(self.topology.rank), type(failure).__name__, failure)
         replay_digest = replayed.digest() if replayed is not None else bytes(DIGEST_BYTES)
         matched = failure is None and replay_digest == incoming.note
+        token, weights_ok = weights_answer()
+        both, agree_work = start_agreement(token, self.device, self.group, veto=not (matched and weights_ok))
+        wait(vote_work)
+        wait(agree_work)
+        x, y, *answer = torch.cat([total, both]).tolist()  # one read to the host for both
+        judging = time.perf_counter()
+        outcome = self._judge_sums(s, vote, x, y, scale)
+        started += time.perf_counter() - judging  # checks 1 and 4 keep their own times
+        if outcome is not None and outcome is not PASSED:
+            return outcome  # the audit is set aside: neither its replay nor its weights count
+        self.stats.add("weights", weights_seconds)
         verdict = None
-        if agree(token, self.device, self.group, veto=not (matched and weights_ok)):
+        if agreed(answer):
             if weights is not None:
                 self._weights_verified(step - 1, weights)  # the weights before this step's update
             self.history.last_audited_step = step
@@ -213,7 +242,7 @@ class Verifier:
                 if verdict is None:
                     self.history.last_audited_step = step
         self.stats.timed("replay", started)
-        return verdict
+        return PASSED if verdict is None else Outcome(verdict)
 
     # -- after the update ----------------------------------------------------------------------
 
@@ -248,7 +277,6 @@ class Verifier:
 def _sum_on_device(vote: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Every rank's ``[x, y]`` summed, left on the device (``nonfinite.sum_votes`` without its
     read): on NCCL the wait only orders the current stream after the all-reduce."""
-    TRAFFIC["norms"] += vote.numel() * vote.element_size()
-    total = vote.clone()
-    wait(dist.all_reduce(total, group=group, async_op=True))
+    total, work = start_sum(vote, group)
+    wait(work)
     return total

@@ -47,6 +47,9 @@ HERE = Path(__file__).resolve().parent
 CONFIGS = ("plain", "ordinary", "audit", "floor")
 REST = "the rest: original forward + backward + update"
 REST_ORDINARY = "(the same rest in an ordinary checked step)"
+AGREEMENT = "agreement + vote all-reduces 16 B, waited together (wait for the slowest replay)"
+"""On an audit step check 1's vote travels during the audit and is waited for with the agreement
+(its start is the "vote all-reduce" phase)."""
 
 
 class Clock:
@@ -102,6 +105,7 @@ def instrument(clock: Clock, sharded: bool) -> None:
     from sdcguard import verification
     from sdcguard.checks import audit, commhook, exchange, reduce_checksum, replay
     from sdcguard.contract import stats
+    from sdcguard.layouts import base as layouts_base
     from sdcguard.layouts import data_parallel, fsdp
 
     def fn(phase: str, inner: Callable[..., Any], in_replay: str | None = None) -> Callable[..., Any]:
@@ -136,6 +140,7 @@ def instrument(clock: Clock, sharded: bool) -> None:
         (reduce_checksum.ChecksumWeights, "checksum", "checks 1+4: comm hook (every step)", None),
         (layout, "vote", "checks 1+4: vote (every step)", None),
         (verification, "sum_votes", "checks 1+4: vote all-reduce 16 B (every step)", None),
+        (verification, "start_sum", "checks 1+4: vote all-reduce 16 B (every step)", None),
         (verification, "judge_checksum", "checks 1+4: judge (every step)", None),
         (sdcguard.step.Step, "record", "step record (payload)", None),
         (layout, "own_pass", "own pass: fingerprints to host", None),
@@ -144,13 +149,15 @@ def instrument(clock: Clock, sharded: bool) -> None:
         (layout, "post_batch", "ring post: sizes + notes round trip, bytes posted", None),
         (layout, "fingerprint_weights", "weights fingerprint (check 3 before the update)", None),
         (layout, "weights_token", "weights token (sharded: the replica group's 16 B agreement)", None),
+        (layouts_base, "wait", "weights token (sharded: the replica group's 16 B agreement)", None),
         (exchange.Incoming, "receive", "ring post: wait for + load the batch", None),
         (audit.Replayer, "run", "replay: forward + backward", None),
         (replay, "snapshot_buffers", "replay: buffers saved / put back", "replay: buffers saved / put back"),
         (replay, "load_buffers", "replay: buffers saved / put back", "replay: buffers saved / put back"),
         (replay, "_result", "replay: gradient fingerprints", None),
         (replay, "fingerprint", "replay: loss fingerprints", None),
-        (verification, "agree", "agreement all-reduce 16 B (waits for the slowest replay)", None),
+        (verification, "start_agreement", AGREEMENT, None),
+        (verification, "wait", AGREEMENT, None),
         (verification, "gather_digests", "judges: digests gathered (mismatch only)", None),
         (verification.Verifier, "_weights_verified", "judges (clean step: bookkeeping)", None),
         (stats.CheckStats, "timed", "statistics", None),

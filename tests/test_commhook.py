@@ -8,7 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sdcguard.checks.commhook import GradientRecorder, record_then_reduce
 from sdcguard.checks.norms import squared_norm
-from sdcguard.fingerprint import fingerprint
+from sdcguard.fingerprint import fingerprint, fingerprint_sums
 
 
 @pytest.fixture
@@ -47,18 +47,19 @@ def test_the_recorder_holds_what_the_checks_read(group):
     assert reduced == pytest.approx(sum(float(t[0]) for t in recorder.local.values()), rel=1e-12)
     x, y = recorder.vote(torch.device("cpu")).tolist()
     assert abs(x) <= y  # one rank: the local and reduced checksums agree within the bound
-    assert recorder.fingerprints() == {i: fingerprint(g) for i, g in enumerate(hooked)}
+    assert recorder.fingerprints() == ([], {i: fingerprint(g) for i, g in enumerate(hooked)})
     assert recorder.checks_reduction  # DDP's own mean: check 4 runs
 
 
 def test_no_fingerprints_off_audit_steps(group):
     _, recorder = grads(hooked=True, audit=False)
-    assert recorder.fingerprints() == {}
+    assert recorder.fingerprints() == ([], {})
 
 
 def test_fingerprints_of_every_bucket_reach_the_host_in_one_read(group, monkeypatch):
     """Small buckets (DDP rebuilds them after the first step): each parameter's fingerprint, as
-    ``fingerprint`` gives it, with one host read for all the buckets, not one per bucket."""
+    ``fingerprint`` gives it, with one host read for all the buckets and the step's losses, not
+    one per bucket."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
     ddp = DDP(model, bucket_cap_mb=1e-4)
@@ -75,8 +76,10 @@ def test_fingerprints_of_every_bucket_reach_the_host_in_one_read(group, monkeypa
         reads.append(tuple(self.shape))
         return tolist(self, *args, **kwargs)
 
+    losses = [torch.tensor(0.25), torch.tensor(1.5)]
     monkeypatch.setattr(torch.Tensor, "tolist", counted)
-    found = recorder.fingerprints()
+    found_losses, found = recorder.fingerprints(fingerprint_sums(losses))
     monkeypatch.undo()
     assert found == {i: fingerprint(p.grad) for i, p in enumerate(model.parameters())}
-    assert reads == [(4, 2)]
+    assert found_losses == [fingerprint(loss) for loss in losses]
+    assert reads == [(6, 2)]

@@ -161,10 +161,12 @@ def test_the_replays_pass_keys_one_reduce_scatter_per_unit_and_micro_batch():
     class _Rec:  # what own_pass reads of a Reduction
         def __init__(self, unit, micro, sums):
             self.unit, self.micro, self.fp = unit, micro, torch.tensor(sums)
-    own = own_pass([_Rec(2, 0, [5, 6]), _Rec(0, 0, [1, 2]), _Rec(2, 1, [7, 8])], [Fingerprint(9, 9)], units=3)
+    loss = torch.tensor([[9, 9]])
+    own = own_pass([_Rec(2, 0, [5, 6]), _Rec(0, 0, [1, 2]), _Rec(2, 1, [7, 8])], loss, units=3)
+    assert own.loss_fps == [Fingerprint(9, 9)]
     assert own.grad_fps == {pass_key(2, 0, 3): (5, 6), pass_key(0, 0, 3): (1, 2), pass_key(2, 1, 3): (7, 8)}
     assert len({pass_key(u, m, 3) for u in range(3) for m in range(4)}) == 12
-    swapped = own_pass([_Rec(2, 0, [7, 8]), _Rec(0, 0, [1, 2]), _Rec(2, 1, [5, 6])], [Fingerprint(9, 9)], units=3)
+    swapped = own_pass([_Rec(2, 0, [7, 8]), _Rec(0, 0, [1, 2]), _Rec(2, 1, [5, 6])], loss, units=3)
     assert swapped.digest() != own.digest()  # the same gradients in other micro-batches differ
 
 

@@ -115,14 +115,18 @@ class GradientRecorder:
         indices = [self.param_index[id(param)] for param in bucket.parameters()]
         self.pending[bucket.index()] = (indices, fingerprint_sums(bucket.gradients()))
 
-    def fingerprints(self) -> dict[int, Fingerprint]:
-        """This step's local-gradient fingerprints by parameter index (audit steps only): every
-        bucket's sums in one read to the host, not one per bucket."""
-        if not self.pending:
-            return {}
+    def fingerprints(self, losses: torch.Tensor | None = None) -> tuple[list[Fingerprint], dict[int, Fingerprint]]:
+        """This step's local-gradient fingerprints by parameter index (audit steps only), and those
+        of ``losses`` (fingerprint sums, e.g. the step's audited losses'): all in one read to the
+        host, not one per bucket."""
         entries = list(self.pending.values())
-        every = iter(to_fingerprints(torch.cat([sums for _, sums in entries])))
-        return {index: next(every) for indices, _ in entries for index in indices}
+        parts = ([losses] if losses is not None else []) + [sums for _, sums in entries]
+        if not parts:
+            return [], {}
+        every = to_fingerprints(torch.cat(parts))
+        head = len(losses) if losses is not None else 0
+        rest = iter(every[head:])
+        return every[:head], {index: next(rest) for indices, _ in entries for index in indices}
 
 
 def record_then_reduce(

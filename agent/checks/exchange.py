@@ -62,11 +62,26 @@ def agree(digest: bytes, device: torch.device, group: dist.ProcessGroup | None, 
     (p90, 3 ranks; `bench/sync_latency.py`) where 1 or 2 elements take ~0.3 ms. Two different
     digests pass for equal with probability 2**-52 (the difference then escapes this check);
     the caller gathers the whole digests only when the answer is no."""
+    both, work = start_agreement(digest, device, group, veto=veto)
+    wait(work)
+    return agreed(both.tolist())
+
+
+def start_agreement(digest: bytes, device: torch.device, group: dist.ProcessGroup | None, *,
+                    veto: bool = False) -> tuple[torch.Tensor, Any]:
+    """:func:`agree`'s all-reduce, started and not waited for: the tensor :func:`agreed` reads
+    once ``work`` is waited for, and ``work`` (an audit step reads it with check 1's sums)."""
     TRAFFIC["agreements"] += 16
     h = float(int.from_bytes(digest[:8], "big") >> (64 - _AGREE_BITS))  # its first 52 bits
     both = torch.tensor([h, math.inf if veto else -h], dtype=torch.float64, device=device)
-    wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True))
-    highest, minus_lowest = both.tolist()
+    work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    hold(work)  # kept even if the caller never waits (an exception in between)
+    return both, work
+
+
+def agreed(both: list[float]) -> bool:
+    """:func:`agree`'s answer from the all-reduced ``[max h, -min h]``."""
+    highest, minus_lowest = both
     return highest == -minus_lowest
 
 

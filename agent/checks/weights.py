@@ -7,7 +7,6 @@ The replica that differs from a strict majority is named — rank 0 is no privil
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -15,17 +14,31 @@ import torch.distributed as dist
 
 from ..contract.alarm import CHECK_WEIGHTS
 from .exchange import gather_objects
-from ..fingerprint import Fingerprint, digest, fingerprint_many
+from ..fingerprint import Fingerprint, digest, fingerprint_many, fingerprint_sums, to_fingerprints
 from .verdict import Verdict, parameter_summary
 
 
 
-@dataclass(frozen=True, slots=True)
 class WeightCheck:
-    """This rank's weights as fingerprinted for one check."""
+    """This rank's weights as fingerprinted for one check. Made from the fingerprints' sums still
+    on the device, it reads them to the host when first asked (on an audit step: after the replay,
+    whose kernels a read before it would have held up)."""
 
-    names: list[str]
-    fingerprints: list[Fingerprint]
+    __slots__ = ("names", "_fingerprints", "_sums")
+
+    def __init__(self, names: list[str], fingerprints: list[Fingerprint] | None = None, *,
+                 sums: torch.Tensor | None = None) -> None:
+        if (fingerprints is None) == (sums is None):
+            raise ValueError("a WeightCheck takes its fingerprints or their sums, one of the two")
+        self.names = names
+        self._fingerprints = fingerprints
+        self._sums = sums
+
+    @property
+    def fingerprints(self) -> list[Fingerprint]:
+        if self._fingerprints is None:
+            self._fingerprints, self._sums = to_fingerprints(self._sums), None
+        return self._fingerprints
 
     @property
     def digest(self) -> bytes:
@@ -33,8 +46,13 @@ class WeightCheck:
 
 
 def fingerprint_weights(named_parameters: Sequence[tuple[str, torch.Tensor]]) -> WeightCheck:
+    """The fingerprints of ``named_parameters``, computed now and read to the host when first used
+    (parameters on several devices: read now, one transfer per device)."""
     names = [n for n, _ in named_parameters]
-    return WeightCheck(names, fingerprint_many(p for _, p in named_parameters))
+    params = [p for _, p in named_parameters]
+    if len({p.device for p in params}) == 1:
+        return WeightCheck(names, sums=fingerprint_sums(params))
+    return WeightCheck(names, fingerprint_many(params))
 
 
 def weights_verdict(mine: WeightCheck, digests: list[bytes], rank: int, group: dist.ProcessGroup | None = None,

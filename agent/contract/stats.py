@@ -59,8 +59,12 @@ class CheckStats:
 
     def timed(self, check: str, started: float) -> None:
         """Count one run of ``check`` that began at ``started`` (a perf_counter reading)."""
+        self.add(check, time.perf_counter() - started)
+
+    def add(self, check: str, seconds: float) -> None:
+        """Count one run of ``check`` that took ``seconds``."""
         self.runs[check] = self.runs.get(check, 0) + 1
-        self.seconds[check] = self.seconds.get(check, 0.0) + time.perf_counter() - started
+        self.seconds[check] = self.seconds.get(check, 0.0) + seconds
 
     def cost(self) -> dict[str, Any] | None:
         """The ``cost`` record now (see the module's docstring), or None while nothing is measured."""

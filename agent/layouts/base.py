@@ -18,12 +18,13 @@ import torch
 import torch.distributed as dist
 
 from ..checks.audit import Confirmation
-from ..checks.exchange import Incoming, gather_objects, wait
+from ..checks.exchange import Incoming, agreed, gather_objects, start_agreement, wait
 from ..checks.reduce_checksum import Shape
 from ..checks.replay import PassResult, Payload
 from ..checks.topology import Topology
 from ..checks.verdict import Verdict
 from ..checks.weights import WeightCheck
+from ..fingerprint import Fingerprint, to_fingerprints
 from ..errors import ReplayError
 
 Scale = Callable[[torch.Tensor], torch.Tensor] | None
@@ -37,8 +38,14 @@ class StepRecord:
     step: int
     audit: bool
     payload: Payload
-    loss_fps: list[Any]
+    loss_sums: torch.Tensor
+    """The audited losses' fingerprint sums, still on the device (``(0, 2)`` on other steps): a
+    layout reads them with its own pass's (one transfer to the host), or through :attr:`loss_fps`."""
     losses: list[torch.Tensor]
+
+    @property
+    def loss_fps(self) -> list[Fingerprint]:
+        return to_fingerprints(self.loss_sums) if len(self.loss_sums) else []
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,10 +161,11 @@ class Layout(Protocol):
     def fingerprint_weights(self) -> WeightCheck | None:
         """This rank's weights' fingerprints, or None when they have no replica to compare with."""
 
-    def weights_token(self, weights: WeightCheck | None) -> tuple[bytes, bool]:
-        """Collective within the layout's replicas, if at all: ``(token, ok)`` — the token every rank
-        agrees on in the audit's one all-reduce (equal on every rank exactly when every replica
-        agrees), and whether this rank's own replicas agreed."""
+    def weights_token(self, weights: WeightCheck | None) -> Callable[[], tuple[bytes, bool]]:
+        """Collective within the layout's replicas, if at all, started before the replay and
+        answered after it (``replicas_token``): the answer is ``(token, ok)`` — the token every
+        rank agrees on in the audit's one all-reduce (equal on every rank exactly when every
+        replica agrees), and whether this rank's own replicas agreed."""
 
     def judge_weights(self, weights: WeightCheck, tokens: list[bytes] | None) -> Verdict | None:
         """Collective: check 3's verdict after a disagreement (``tokens``: every rank's token, when
@@ -180,6 +188,25 @@ _OK = bytes([1]) * 16
 def flag_token(ok: bool) -> bytes:
     """A 16-byte token saying whether this rank's replicas agreed."""
     return _OK if ok else bytes(16)
+
+
+def answered(token: bytes, ok: bool = True) -> Callable[[], tuple[bytes, bool]]:
+    """A :meth:`Layout.weights_token` known at once (no collective)."""
+    return lambda: (token, ok)
+
+
+def replicas_token(digest: bytes, device: torch.device, group: dist.ProcessGroup | None) -> Callable[[], tuple[bytes, bool]]:
+    """:meth:`Layout.weights_token` for replicas that each hold a part: whether ``group`` (this
+    rank's replicas) agrees on ``digest``, one 16-byte all-reduce started now and read when the
+    answer is asked for — after the replay, which it no longer holds up (on a GPU the replay's
+    kernels are queued while it travels)."""
+    both, work = start_agreement(digest, device, group)
+
+    def answer() -> tuple[bytes, bool]:
+        wait(work)
+        ok = agreed(both.tolist())
+        return flag_token(ok), ok
+    return answer
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

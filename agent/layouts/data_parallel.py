@@ -7,7 +7,7 @@ whole model across every rank; a checkpoint is one file written by rank 0 (``che
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -98,7 +98,8 @@ class DataParallel:
     # -- check 2 ---------------------------------------------------------------------------------
 
     def own_pass(self, s: StepRecord) -> PassResult:
-        return PassResult(list(s.loss_fps), self.recorder.fingerprints())
+        losses, grads = self.recorder.fingerprints(s.loss_sums)  # one read to the host for both
+        return PassResult(losses, grads)
 
     def post_batch(self, blob: torch.Tensor, own_digest: bytes) -> Incoming:
         return self.replayer.post_batch(blob, own_digest)
@@ -118,9 +119,10 @@ class DataParallel:
     def fingerprint_weights(self) -> WeightCheck | None:
         return fingerprint_weights(self.named_parameters)
 
-    def weights_token(self, weights: WeightCheck | None) -> tuple[bytes, bool]:
-        # Every rank holds the whole model: the digest itself is agreed in the audit's all-reduce.
-        return weights.digest, True
+    def weights_token(self, weights: WeightCheck | None) -> Callable[[], tuple[bytes, bool]]:
+        # Every rank holds the whole model: the digest itself is agreed in the audit's all-reduce,
+        # read to the host when answered (after the replay).
+        return lambda: (weights.digest, True)
 
     def judge_weights(self, weights: WeightCheck, tokens: list[bytes] | None) -> Verdict | None:
         if tokens is None:

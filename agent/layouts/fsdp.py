@@ -28,7 +28,7 @@ from ..sharding.reduction_check import VoteCoefficients, localize_checksum, step
 from ..sharding.replay import ShardedReplayer, labels, own_pass
 from ..sharding.shard_weights import fingerprint_shards, mesh_evidence, replicas_agree, shard_weights_verdict
 from ..sharding.update_check import UpdateCheck
-from .base import Scale, StepRecord, Vote, everywhere_finite, flag_token, raise_replay_failures
+from .base import Scale, StepRecord, Vote, answered, everywhere_finite, flag_token, raise_replay_failures, replicas_token
 from .stores import DcpStore
 
 log = logging.getLogger("sdcguard")
@@ -139,7 +139,7 @@ class Sharded:
     # -- check 2 ---------------------------------------------------------------------------------
 
     def own_pass(self, s: StepRecord) -> PassResult:
-        return own_pass(self.recorder.records, s.loss_fps, len(self.recorder.units))
+        return own_pass(self.recorder.records, s.loss_sums, len(self.recorder.units))
 
     def post_batch(self, blob: torch.Tensor, own_digest: bytes) -> Incoming:
         return self.replayer.post_batch(blob, own_digest)
@@ -185,11 +185,10 @@ class Sharded:
     def fingerprint_weights(self) -> WeightCheck | None:
         return fingerprint_shards(self.named_parameters) if self.mesh.hsdp else None
 
-    def weights_token(self, weights: WeightCheck | None) -> tuple[bytes, bool]:
+    def weights_token(self, weights: WeightCheck | None) -> Callable[[], tuple[bytes, bool]]:
         if weights is None:
-            return flag_token(True), True  # pure FSDP: no replica to compare with
-        ok = agree(weights.digest, self.device, self.replicate_group)  # each shard across its replicas
-        return flag_token(ok), ok
+            return answered(flag_token(True))  # pure FSDP: no replica to compare with
+        return replicas_token(weights.digest, self.device, self.replicate_group)  # each shard across its replicas
 
     def judge_weights(self, weights: WeightCheck, tokens: list[bytes] | None) -> Verdict | None:
         if tokens is not None and all(t == flag_token(True) for t in tokens):

@@ -39,7 +39,7 @@ from ..checks.topology import Topology
 from ..checks.verdict import Verdict
 from ..checks.weights import WeightCheck, weights_verdict
 from ..fingerprint import fingerprint
-from .base import Scale, StepRecord, Vote, everywhere_finite, flag_token, raise_replay_failures
+from .base import Scale, StepRecord, Vote, answered, everywhere_finite, flag_token, raise_replay_failures, replicas_token
 from .pipeline_stages import StageReplicas, stage_replicas
 from .pipeline_store import PipelineStore
 
@@ -274,7 +274,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         self.replay_log.start(True)
         try:
-            with self.replicas.isolated(), replay_mode(), \
+            with self.replicas.isolated(check_finite), replay_mode(), \
                     seeded(forward_seed(self.seed, payload.step, payload.owner, 0), self.device):
                 schedule.step(*micro["args"], target=micro["target"], losses=losses, **micro["kwargs"])
                 grads, finite = self.replicas.replay_grads(check_finite)
@@ -310,11 +310,10 @@ class Pipeline:
     def fingerprint_weights(self) -> WeightCheck | None:
         return self.replicas.fingerprint_weights(self.named_parameters)
 
-    def weights_token(self, weights: WeightCheck | None) -> tuple[bytes, bool]:
+    def weights_token(self, weights: WeightCheck | None) -> Callable[[], tuple[bytes, bool]]:
         if weights is None:
-            return flag_token(True), True  # pure FSDP over the stages: no replica to compare with
-        ok = agree(weights.digest, self.device, self.replicas.weights_group)  # each stage (shard) across its replicas
-        return flag_token(ok), ok
+            return answered(flag_token(True))  # pure FSDP over the stages: no replica to compare with
+        return replicas_token(weights.digest, self.device, self.replicas.weights_group)  # each stage (shard) across its replicas
 
     def judge_weights(self, weights: WeightCheck, tokens: list[bytes] | None) -> Verdict | None:
         if tokens is not None and all(t == flag_token(True) for t in tokens):

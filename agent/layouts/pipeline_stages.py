@@ -64,7 +64,8 @@ class StageReplicas(Protocol):
     def vote(self, device: torch.device) -> StageVote: ...
     def own_grads(self) -> Grads: ...
     def replay_module(self, i: int) -> torch.nn.Module: ...
-    def isolated(self) -> contextlib.AbstractContextManager[None]: ...
+    def isolated(self, norms: bool) -> contextlib.AbstractContextManager[None]:
+        """Around a replay (``norms``: its gradients' finiteness will be asked for)."""
     def replay_grads(self, check_finite: bool) -> tuple[Grads, bool]: ...
     def fingerprint_weights(self, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> WeightCheck | None: ...
     weights_group: dist.ProcessGroup | None
@@ -161,13 +162,13 @@ class DdpStages:
                          lambda: _sum([r.rows(device) for r in self.recorders]))
 
     def own_grads(self) -> Grads:
-        return {i: r.fingerprints() for i, r in zip(self.indices, self.recorders)}
+        return {i: r.fingerprints()[1] for i, r in zip(self.indices, self.recorders)}
 
     def replay_module(self, i: int) -> torch.nn.Module:
         return self.modules[i]  # the bare module: a replay's gradients stay on this rank
 
     @contextlib.contextmanager
-    def isolated(self) -> Iterator[None]:
+    def isolated(self, norms: bool) -> Iterator[None]:
         params = [p for ps in self.params for p in ps]
         saved = [p.grad for p in params]
         for p in params:
@@ -300,10 +301,10 @@ class FsdpStages:
         return self.modules[i]  # the sharded module: its all-gathers run with the stage's other ranks
 
     @contextlib.contextmanager
-    def isolated(self) -> Iterator[None]:
+    def isolated(self, norms: bool) -> Iterator[None]:
         from ..sharding.reduce_record import ReplayTrace
         from ..sharding.replay import _isolated
-        self._traces = [ReplayTrace() for _ in self.recorders]
+        self._traces = [ReplayTrace(norms=norms) for _ in self.recorders]
         with contextlib.ExitStack() as stack:
             for module, recorder, trace in zip(self.modules, self.recorders, self._traces):
                 stack.enter_context(_isolated(module, recorder, trace))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -13,7 +13,7 @@ from ..checks.replay import PassResult, Payload
 from ..checks.topology import Topology
 from ..checks.verdict import Verdict
 from ..checks.weights import WeightCheck, fingerprint_weights
-from .base import Scale, StepRecord, Vote
+from .base import Scale, StepRecord, Vote, answered
 from .stores import FileStore
 
 
@@ -54,8 +54,8 @@ class SingleProcess:
     def fingerprint_weights(self) -> WeightCheck | None:
         return fingerprint_weights(self.named_parameters)
 
-    def weights_token(self, weights: WeightCheck | None) -> tuple[bytes, bool]:
-        return (weights.digest if weights is not None else bytes(16)), True
+    def weights_token(self, weights: WeightCheck | None) -> Callable[[], tuple[bytes, bool]]:
+        return answered(weights.digest if weights is not None else bytes(16))
 
     def judge_weights(self, weights: WeightCheck, tokens: list[bytes] | None) -> Verdict | None:
         return None

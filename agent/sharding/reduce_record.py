@@ -59,11 +59,14 @@ TensorHook = Callable[[int, torch.Tensor], None]
 @dataclass(slots=True)
 class ReplayTrace:
     """What the no-op reduce-scatters of one replay saw: per call ``(unit, micro-batch, local
-    input's fingerprint sums, its squared norm)``, in call order."""
+    input's fingerprint sums, its squared norm or None)``, in call order."""
 
     micro: int = 0
     """The micro-batch being replayed now (set by the replay loop)."""
-    calls: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    calls: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    norms: bool = True
+    """Record each local input's squared norm (a confirmation of a NaN/Inf reads it; an audit's
+    replay does not, and skips that read of every local input)."""
 
 
 @dataclass(slots=True)
@@ -169,7 +172,7 @@ class ShardedRecorder:
             hook(unit, flat)
         trace = self.replay
         assert trace is not None
-        trace.calls.append((unit, trace.micro, fingerprint_sums([flat])[0], squared_norm(flat)))
+        trace.calls.append((unit, trace.micro, fingerprint_sums([flat])[0], squared_norm(flat) if trace.norms else None))
 
     def copied_input(self, unit: int, flat: torch.Tensor, group: Any) -> None:
         """A one-rank shard group's filled input, before FSDP2 copies it into the output and

@@ -47,7 +47,7 @@ from ..checks.audit import Confirmation, Replayer, judge_confirmation
 from ..checks.exchange import _from_bytes, broadcast_digest, gather_tensor, ring_exchange, serialize, wait
 from ..checks.replay import PassResult, Payload, _replay_mode, load_buffers, snapshot_buffers
 from ..checks.rng import forward_seed, seeded
-from ..fingerprint import Fingerprint, fingerprint_sums, to_fingerprints
+from ..fingerprint import fingerprint_sums, to_fingerprints
 from .reduce_record import Reduction, ReplayTrace, ShardedRecorder
 
 Scale = Callable[[torch.Tensor], torch.Tensor] | None
@@ -58,11 +58,13 @@ def pass_key(unit: int, micro: int, units: int) -> int:
     return micro * units + unit
 
 
-def own_pass(records: list[Reduction], loss_fps: list[Fingerprint], units: int) -> PassResult:
-    """What this rank's own pass recorded (an audited step): loss bits and each local input."""
-    sums = torch.stack([rec.fp for rec in records]) if records else None
-    fps = to_fingerprints(sums) if sums is not None else []
-    return PassResult(list(loss_fps), {pass_key(rec.unit, rec.micro, units): fp for rec, fp in zip(records, fps)})
+def own_pass(records: list[Reduction], loss_sums: torch.Tensor, units: int) -> PassResult:
+    """What this rank's own pass recorded (an audited step): loss bits and each local input, from
+    their fingerprint sums in one read to the host."""
+    parts = [loss_sums] + [rec.fp.unsqueeze(0) for rec in records]
+    every = to_fingerprints(torch.cat(parts)) if len(loss_sums) or records else []
+    losses, fps = every[:len(loss_sums)], every[len(loss_sums):]
+    return PassResult(losses, {pass_key(rec.unit, rec.micro, units): fp for rec, fp in zip(records, fps)})
 
 
 def labels(recorder: ShardedRecorder, micro_batches: int) -> dict[int, str]:
@@ -80,7 +82,7 @@ def replay_sharded(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, A
     pattern = recorder.sync_pattern()
     units = len(recorder.units)
     losses: list[torch.Tensor] = []
-    trace = ReplayTrace()
+    trace = ReplayTrace(norms=with_norm)
     with _isolated(model, recorder, trace):
         for i, micro in enumerate(payload.micro_batches):
             trace.micro = i
