@@ -255,7 +255,9 @@ class Step:
 
     def record(self) -> StepRecord:
         """What the checks read of this step."""
-        loss_sums = fingerprint_sums(self.audited_losses) if self.audited_losses else _NO_SUMS
+        losses = self.audited_losses
+        # one device for the sums (a loss may live on another one; a fingerprint is the same everywhere)
+        loss_sums = fingerprint_sums([loss.to(losses[0].device) for loss in losses]) if losses else _NO_SUMS
         return StepRecord(self.step, self.audit, self.payload(), loss_sums, list(self.losses))
 
     # -- the context ---------------------------------------------------------------------------

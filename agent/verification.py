@@ -28,6 +28,7 @@ from .checks.reduce_checksum import failed_on_device, judge_checksum
 from .checks.verdict import Verdict
 from .checks.weights import WeightCheck
 from .contract.stats import CheckStats
+from .errors import ReplayError
 from .layouts.base import Layout, Scale, StepRecord, Vote, gradients_finite, local_tensor, raise_replay_failures
 
 log = logging.getLogger("sdcguard")
@@ -181,8 +182,8 @@ class Verifier:
         Check 1's sums are judged first, as on an ordinary step: a step they stop (a NaN/Inf, a
         fault inside the all-reduce) is that step's outcome, and what the audit found is set aside
         (its replay ran on the same gradients; nothing of it is counted as a run). So is an audit
-        that raised on every rank (a batch that could not be received): the sums are judged
-        before the error is raised. Only when the agreement says no are the digests gathered and
+        that raised ``ReplayError`` (on every rank alike: a batch that could not be received):
+        the sums are judged before the error is raised. Only when the agreement says no are the digests gathered and
         judged — weights, then replays — so that a weight fault is not taken for a compute fault."""
         step, layout = s.step, self.layout
         started = time.perf_counter()
@@ -199,13 +200,15 @@ class Verifier:
             weights_answer = layout.weights_token(weights)  # on its way while the replay runs
             weights_seconds = time.perf_counter() - weights_started
             replayed, failure = layout.replay(step, incoming, scale)
-        except Exception:
-            # Raised on every rank alike (the layouts agree on a replay's readiness first): the
-            # sums still decide the step when they stop it.
+        except ReplayError as failed:
+            # Raised on every rank alike (the layouts agree on a replay's readiness first), so
+            # every rank may go on to judge the sums, which decide the step when they stop it.
+            # Any other error may be this rank's alone: it propagates untouched, as before.
             wait(vote_work)
             x, y = total.tolist()
             outcome = self._judge_sums(s, vote, x, y, scale)
             if outcome is not None and outcome is not PASSED:
+                log.warning("sdcguard: step %d: the audit failed (%s); check 1's sums decide the step", step, failed)
                 return outcome
             raise
         started += weights_seconds  # the replay's time leaves the weights' out

@@ -134,7 +134,7 @@ def instrument(clock: Clock, sharded: bool) -> None:
 
     layout = fsdp.Sharded if sharded else data_parallel.DataParallel
     patches: list[tuple[Any, str, str, str | None]] = [
-        (sdcguard.step, "fingerprint", "owner's recording: loss fingerprint", None),
+        (sdcguard.step, "fingerprint_sums", "owner's recording: loss fingerprint", None),
         (replay.ForwardBuffers, "__call__", "owner's recording: forward buffers", None),
         (reduce_checksum.ChecksumWeights, "terms", "checks 1+4: comm hook (every step)", None),
         (reduce_checksum.ChecksumWeights, "checksum", "checks 1+4: comm hook (every step)", None),

@@ -36,7 +36,7 @@ class FixedLayout:
     """A layout whose vote and replay say what the test sets; it records what was asked of it.
     Its topology claims two ranks (so the Verifier is not solo) over a one-rank gloo group."""
 
-    def __init__(self, *, vote: list[float], replay_raises: bool = False) -> None:
+    def __init__(self, *, vote: list[float], replay_raises: type[Exception] | None = None) -> None:
         self.topology = SimpleNamespace(world_size=2, rank=0, replay_target=lambda r: 1 - r)
         self.device, self.group = CPU, None
         self.vote_value = torch.tensor(vote, dtype=torch.float64)
@@ -75,8 +75,10 @@ class FixedLayout:
 
     def replay(self, step, incoming, scale):
         self.calls.append("replay")
-        if self.replay_raises:  # as the sharded layouts do when a rank could not load its batch
+        if self.replay_raises is ReplayError:  # the sharded layouts, when a rank could not load its batch
             raise ReplayError(step, {1: "could not load the batch it replays"})
+        if self.replay_raises is not None:  # e.g. out of memory on this rank alone
+            raise self.replay_raises("this rank's replay ran out of memory")
         return self.grad, None
 
 
@@ -112,13 +114,22 @@ def test_a_nan_vote_decides_an_audit_step_and_the_audit_is_set_aside(group):
 
 
 def test_an_audit_that_raises_everywhere_does_not_hide_a_nan_vote(group):
-    layout = FixedLayout(vote=[float("nan"), 1.0], replay_raises=True)
+    layout = FixedLayout(vote=[float("nan"), 1.0], replay_raises=ReplayError)
     verifier, outcome = audit_step(layout)
     assert outcome.nonfinite == {0: 0}
     assert layout.calls[-2:] == ["reduced_gradients_finite", "confirm_nonfinite"]
 
 
 def test_an_audit_that_raises_everywhere_is_raised_when_the_vote_passes(group):
-    layout = FixedLayout(vote=[0.0, 1.0], replay_raises=True)
+    layout = FixedLayout(vote=[0.0, 1.0], replay_raises=ReplayError)
     with pytest.raises(ReplayError, match="could not load"):
         audit_step(layout)
+
+
+def test_an_error_of_this_rank_alone_propagates_untouched_whatever_the_vote(group):
+    """Another rank may be inside the replay's collectives: judging the sums here (collectives of
+    their own) could pair with the wrong ones. The error propagates, as before the vote travelled."""
+    layout = FixedLayout(vote=[float("nan"), 1.0], replay_raises=MemoryError)
+    with pytest.raises(MemoryError, match="out of memory"):
+        audit_step(layout)
+    assert "confirm_nonfinite" not in layout.calls

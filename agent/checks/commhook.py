@@ -120,7 +120,10 @@ class GradientRecorder:
         of ``losses`` (fingerprint sums, e.g. the step's audited losses'): all in one read to the
         host, not one per bucket."""
         entries = list(self.pending.values())
-        parts = ([losses] if losses is not None else []) + [sums for _, sums in entries]
+        grads = [sums for _, sums in entries]
+        if losses is not None and len(losses) and grads:
+            losses = losses.to(grads[0].device)  # one device for one read (a loss may live elsewhere)
+        parts = ([losses] if losses is not None and len(losses) else []) + grads
         if not parts:
             return [], {}
         every = to_fingerprints(torch.cat(parts))

@@ -61,8 +61,10 @@ def pass_key(unit: int, micro: int, units: int) -> int:
 def own_pass(records: list[Reduction], loss_sums: torch.Tensor, units: int) -> PassResult:
     """What this rank's own pass recorded (an audited step): loss bits and each local input, from
     their fingerprint sums in one read to the host."""
-    parts = [loss_sums] + [rec.fp.unsqueeze(0) for rec in records]
-    every = to_fingerprints(torch.cat(parts)) if len(loss_sums) or records else []
+    parts = [rec.fp.unsqueeze(0) for rec in records]
+    if len(loss_sums):
+        parts.insert(0, loss_sums.to(parts[0].device) if parts else loss_sums)  # one device for one read
+    every = to_fingerprints(torch.cat(parts)) if parts else []
     losses, fps = every[:len(loss_sums)], every[len(loss_sums):]
     return PassResult(losses, {pass_key(rec.unit, rec.micro, units): fp for rec, fp in zip(records, fps)})
 
