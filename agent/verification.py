@@ -156,14 +156,14 @@ class Verifier:
             self.history.last_reduction_verified_step = s.step
         return None
 
-    def _judge_nonfinite(self, s: StepRecord, norms: list[list[float]], scale: Scale) -> Outcome:
+    def _judge_nonfinite(self, s: StepRecord, norms: list[list[float]], scale: Scale) -> Outcome | None:
         """From every rank's ``[local, reduced]`` norms: check 1a (a NaN/Inf that does not
         reproduce on another node) or 1b; or, when every non-finite local gradient reproduces,
         the data's (or a GradScaler's honest overflow)."""
         bad = nonfinite_local_ranks(norms)
         if not bad:
             verdict = judge_nonfinite(norms)  # 1b, or an overflowed sum of finite norms
-            return Outcome(self.layout.annotate(verdict)) if verdict is not None else PASSED
+            return Outcome(self.layout.annotate(verdict)) if verdict is not None else None
         started = time.perf_counter()
         confirmation = self.layout.confirm_nonfinite(bad, s.payload, scale)
         self.stats.timed("replay", started)
@@ -207,7 +207,7 @@ class Verifier:
             wait(vote_work)
             x, y = total.tolist()
             outcome = self._judge_sums(s, vote, x, y, scale)
-            if outcome is not None and outcome is not PASSED:
+            if outcome is not None:
                 log.warning("sdcguard: step %d: the audit failed (%s); check 1's sums decide the step", step, failed)
                 return outcome
             raise
@@ -225,7 +225,7 @@ class Verifier:
         judging = time.perf_counter()
         outcome = self._judge_sums(s, vote, x, y, scale)
         started += time.perf_counter() - judging  # checks 1 and 4 keep their own times
-        if outcome is not None and outcome is not PASSED:
+        if outcome is not None:
             return outcome  # the audit is set aside: neither its replay nor its weights count
         self.stats.add("weights", weights_seconds)
         verdict = None

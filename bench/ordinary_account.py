@@ -137,24 +137,22 @@ def _time_calls(guard, run_step, steps: int, stub: bool) -> dict[str, float]:  #
     the step pays them), again on the same bucket (warm), on a copy; the reduced checksums."""
     if stub:
         return {}
-    import time as _t
-
     from sdcguard.checks import reduce_checksum
     spent: Counter = Counter()
     terms, checksum = reduce_checksum.ChecksumWeights.terms, reduce_checksum.ChecksumWeights.checksum
     inside = {"terms": False}
 
     def timed_terms(self, index, flat, scale=None):  # noqa: ANN001
-        c0 = _t.thread_time()
+        c0 = time.thread_time()
         inside["terms"] = True
         out = terms(self, index, flat, scale)
-        c1 = _t.thread_time()
+        c1 = time.thread_time()
         terms(self, index, flat, None)  # the same bucket again, now warm (its scaling already done)
-        c2 = _t.thread_time()
+        c2 = time.thread_time()
         copy = flat.clone()
-        c3 = _t.thread_time()
+        c3 = time.thread_time()
         terms(self, index, copy, None)
-        c4 = _t.thread_time()
+        c4 = time.thread_time()
         inside["terms"] = False
         spent["local terms, the bucket as the backward left it"] += c1 - c0
         spent["local terms, the same bucket again (warm)"] += c2 - c1
@@ -164,9 +162,9 @@ def _time_calls(guard, run_step, steps: int, stub: bool) -> dict[str, float]:  #
     def timed_checksum(self, index, flat):  # noqa: ANN001
         if inside["terms"]:
             return checksum(self, index, flat)
-        c0 = _t.thread_time()
+        c0 = time.thread_time()
         out = checksum(self, index, flat)
-        spent["reduced checksum (gloo's thread, as the all-reduce completes)"] += _t.thread_time() - c0
+        spent["reduced checksum (gloo's thread, as the all-reduce completes)"] += time.thread_time() - c0
         return out
 
     reduce_checksum.ChecksumWeights.terms, reduce_checksum.ChecksumWeights.checksum = timed_terms, timed_checksum

@@ -232,3 +232,17 @@ def test_fingerprint_bench_checks_and_runs():
 def test_gpu_check_script_parses():
     script = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+def test_several_sums_reach_the_host_in_one_read_split_as_given(monkeypatch):
+    from sdcguard.fingerprint import fingerprint_sums, to_fingerprints_together
+    tensors = [torch.arange(5.0), torch.ones(3), torch.tensor(-2.5)]
+    parts = [fingerprint_sums(tensors[:2]), torch.zeros((0, 2), dtype=torch.int64), fingerprint_sums(tensors[2:])]
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self, *a: reads.append(self.shape) or tolist(self, *a))
+    found = to_fingerprints_together(parts)
+    monkeypatch.undo()
+    assert found == [[fingerprint(tensors[0]), fingerprint(tensors[1])], [], [fingerprint(tensors[2])]]
+    assert reads == [(3, 2)]
+    assert to_fingerprints_together([torch.zeros((0, 2), dtype=torch.int64)]) == [[]]

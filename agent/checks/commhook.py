@@ -23,7 +23,7 @@ from typing import Any, Callable
 # No `from __future__ import annotations`: DDP checks comm-hook annotations at runtime.
 import torch
 import torch.distributed as dist
-from ..fingerprint import Fingerprint, fingerprint_sums, to_fingerprints
+from ..fingerprint import Fingerprint, fingerprint_sums, to_fingerprints_together
 from .exchange import hold
 from .reduce_checksum import ChecksumWeights, Coefficients, Shape, vote
 
@@ -120,16 +120,9 @@ class GradientRecorder:
         of ``losses`` (fingerprint sums, e.g. the step's audited losses'): all in one read to the
         host, not one per bucket."""
         entries = list(self.pending.values())
-        grads = [sums for _, sums in entries]
-        if losses is not None and len(losses) and grads:
-            losses = losses.to(grads[0].device)  # one device for one read (a loss may live elsewhere)
-        parts = ([losses] if losses is not None and len(losses) else []) + grads
-        if not parts:
-            return [], {}
-        every = to_fingerprints(torch.cat(parts))
-        head = len(losses) if losses is not None else 0
-        rest = iter(every[head:])
-        return every[:head], {index: next(rest) for indices, _ in entries for index in indices}
+        loss_fps, *buckets = to_fingerprints_together(
+            [losses if losses is not None else torch.zeros((0, 2), dtype=torch.int64), *(sums for _, sums in entries)])
+        return loss_fps, {index: fp for (indices, _), fps in zip(entries, buckets) for index, fp in zip(indices, fps)}
 
 
 def record_then_reduce(

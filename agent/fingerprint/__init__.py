@@ -29,7 +29,7 @@ from . import torch_path as fingerprint_torch
 from . import triton_kernel as fingerprint_triton
 from .torch_path import COLUMNS as _COLUMNS
 
-__all__ = ["Fingerprint", "fingerprint", "fingerprint_many", "fingerprint_sums", "to_fingerprints",
+__all__ = ["Fingerprint", "fingerprint", "fingerprint_many", "fingerprint_sums", "to_fingerprints", "to_fingerprints_together",
            "digest", "fingerprint_reference"]
 
 _MASK = (1 << 64) - 1
@@ -111,6 +111,17 @@ def to_fingerprints(sums: torch.Tensor) -> list[Fingerprint]:
     """Turn :func:`fingerprint_sums` output into unsigned fingerprints (one host transfer:
     ``tolist`` copies a device tensor to the host itself, a ``.cpu()`` first would be a second call)."""
     return [Fingerprint(s0 & _MASK, s1 & _MASK) for s0, s1 in sums.tolist()]
+
+
+def to_fingerprints_together(parts: Sequence[torch.Tensor]) -> list[list[Fingerprint]]:
+    """:func:`to_fingerprints` of several ``(n, 2)`` sums in one host transfer (each on any
+    device: moved to the first non-empty one's, as a fingerprint is the same everywhere)."""
+    filled = [p for p in parts if len(p)]
+    if not filled:
+        return [[] for _ in parts]
+    device = filled[0].device
+    every = iter(to_fingerprints(torch.cat([p.to(device) for p in filled])))
+    return [[next(every) for _ in range(len(p))] for p in parts]
 
 
 def _use_triton(tensor: torch.Tensor, backend: str) -> bool:

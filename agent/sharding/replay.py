@@ -47,7 +47,7 @@ from ..checks.audit import Confirmation, Replayer, judge_confirmation
 from ..checks.exchange import _from_bytes, broadcast_digest, gather_tensor, ring_exchange, serialize, wait
 from ..checks.replay import PassResult, Payload, _replay_mode, load_buffers, snapshot_buffers
 from ..checks.rng import forward_seed, seeded
-from ..fingerprint import fingerprint_sums, to_fingerprints
+from ..fingerprint import fingerprint_sums, to_fingerprints, to_fingerprints_together
 from .reduce_record import Reduction, ReplayTrace, ShardedRecorder
 
 Scale = Callable[[torch.Tensor], torch.Tensor] | None
@@ -61,12 +61,8 @@ def pass_key(unit: int, micro: int, units: int) -> int:
 def own_pass(records: list[Reduction], loss_sums: torch.Tensor, units: int) -> PassResult:
     """What this rank's own pass recorded (an audited step): loss bits and each local input, from
     their fingerprint sums in one read to the host."""
-    parts = [rec.fp.unsqueeze(0) for rec in records]
-    if len(loss_sums):
-        parts.insert(0, loss_sums.to(parts[0].device) if parts else loss_sums)  # one device for one read
-    every = to_fingerprints(torch.cat(parts)) if parts else []
-    losses, fps = every[:len(loss_sums)], every[len(loss_sums):]
-    return PassResult(losses, {pass_key(rec.unit, rec.micro, units): fp for rec, fp in zip(records, fps)})
+    losses, *fps = to_fingerprints_together([loss_sums, *(rec.fp.unsqueeze(0) for rec in records)])
+    return PassResult(losses, {pass_key(rec.unit, rec.micro, units): fp for rec, [fp] in zip(records, fps)})
 
 
 def labels(recorder: ShardedRecorder, micro_batches: int) -> dict[int, str]:
