@@ -72,19 +72,11 @@ def ledger_namespace(settings: Settings) -> str:
 
 def _ledger(namespace: str) -> Any:
     """The slot ConfigMap, created empty if it does not exist yet."""
-    try:
-        return kube.core().read_namespaced_config_map(LEDGER, namespace)
-    except kubernetes.client.ApiException as exc:
-        if not kube.not_found(exc):
-            raise
-    try:
-        return kube.core().create_namespaced_config_map(namespace, {
+    return kube.read_or_create(
+        f"ConfigMap {namespace}/{LEDGER}", lambda: kube.core().read_namespaced_config_map(LEDGER, namespace),
+        lambda: kube.core().create_namespaced_config_map(namespace, {
             "metadata": {"name": LEDGER, "namespace": namespace,
-                         "labels": {"app.kubernetes.io/managed-by": "sdcguard"}}, "data": {}})
-    except kubernetes.client.ApiException as exc:
-        if not kube.conflict(exc):
-            raise
-    return kube.core().read_namespaced_config_map(LEDGER, namespace)
+                         "labels": {"app.kubernetes.io/managed-by": "sdcguard"}}, "data": {}}))
 
 
 def slots(settings: Settings) -> dict[str, str]:

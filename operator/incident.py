@@ -192,18 +192,28 @@ def _step(value: Any) -> int | None:
 
 def open_or_join(record: dict[str, Any], event_name: str, text: str, signature: str | None, job_uid: str,
                  settings: Settings) -> tuple[str, bool]:
-    """Create the incident (sealed), or join the existing one; (name, created)."""
+    """Create the incident (sealed), or join the existing one; (name, created).
+
+    A 409 to the create means "it exists" only when the incident is there to read: an overloaded
+    API server also answers 409 to a create it did not do, and that alarm must still open its
+    incident (read as "exists", it became a 404 on the join and the valid alarm a rejection)."""
     body = manifest(record, event_name, text=text, signature=signature, job_uid=job_uid, settings=settings)
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    try:
-        kube.custom().create_namespaced_custom_object(names.GROUP, names.VERSION, namespace, names.INCIDENTS, body)
-    except Exception as exc:
-        if not kube.conflict(exc):
-            raise
-        join(namespace, name, record["id"], event_name)
-        return name, False
-    metrics.INCIDENTS.labels(record["check"]).inc()
-    return name, True
+    for _ in range(kube.CONFLICT_RETRIES):
+        try:
+            kube.custom().create_namespaced_custom_object(names.GROUP, names.VERSION, namespace, names.INCIDENTS,
+                                                          body)
+        except Exception as exc:
+            if not kube.conflict(exc):
+                raise
+            if find(namespace, name) is None:
+                continue  # nothing there: the 409 was not "AlreadyExists"; create again
+            join(namespace, name, record["id"], event_name)
+            return name, False
+        metrics.INCIDENTS.labels(record["check"]).inc()
+        return name, True
+    raise kopf.TemporaryError(f"{names.INCIDENTS}/{name}: create answered 409 {kube.CONFLICT_RETRIES} times "
+                              "and nothing is there", delay=1)
 
 
 def join(namespace: str, name: str, alarm_id: str, event_name: str) -> None:

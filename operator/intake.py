@@ -42,15 +42,16 @@ def handle(event: dict[str, Any], settings: Settings, logger: logging.Logger | l
 
     Never a silent drop: a failure that is not a rejection — a crafted record the checks did not
     foresee, an object the operator cannot write — becomes the rejection ``IntakeError`` (counted,
-    logged, a Warning Event, the ``SdcguardAlarmsRejected`` alert); only a transient API error is
-    raised for kopf to retry, and on kopf's last try it is an ``IntakeError`` as well."""
+    logged, a Warning Event, the ``SdcguardAlarmsRejected`` alert); only a transient API error (or a
+    write still conflicting after its fresh reads) is raised for kopf to retry, and on kopf's last
+    try it is an ``IntakeError`` as well."""
     recorded = (event["metadata"].get("annotations") or {}).get(names.INTAKE_ANNOTATION)
     if recorded:
         return recorded
     try:
         return _handle(event, settings, logger)
     except Exception as exc:  # noqa: BLE001 - every failure ends as a counted rejection or a retry
-        if kube.transient(exc) and not final:
+        if kube.worth_retrying(exc) and not final:
             raise
         return _reject(event, settings, logger, validate.Rejected(
             "IntakeError", f"handling failed ({type(exc).__name__}: {str(exc)[:300]})"))

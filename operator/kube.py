@@ -80,6 +80,30 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
+def read_or_create(what: str, read: Callable[[], Any], create: Callable[[], Any]) -> Any:
+    """Read an object, creating it when it is absent; returns it.  A 409 to the create is someone
+    else's create (the next read finds it), or an overloaded API server's answer to a create it did
+    not do (the next read finds nothing, and the create is tried again)."""
+    for _ in range(CONFLICT_RETRIES):
+        try:
+            return read()
+        except kubernetes.client.ApiException as exc:
+            if not not_found(exc):
+                raise
+        try:
+            return create()
+        except kubernetes.client.ApiException as exc:
+            if not conflict(exc):
+                raise
+    raise kopf.TemporaryError(f"{what}: neither read nor created after {CONFLICT_RETRIES} tries", delay=1)
+
+
+def worth_retrying(exc: BaseException) -> bool:
+    """A handler's failure that a later try may not meet: a transient API answer, or the
+    operator's own "try again later" (a write still conflicting after its fresh reads)."""
+    return transient(exc) or isinstance(exc, kopf.TemporaryError)
+
+
 def transient(exc: BaseException) -> bool:
     """An API answer worth retrying as it is: 429, 5xx, or no answer at all."""
     if isinstance(exc, kubernetes.client.ApiException):

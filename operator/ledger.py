@@ -95,17 +95,10 @@ def _replace(namespace: str, ledger: Any, job: dict[str, Any], why: str) -> None
 def _read_or_create(namespace: str, job: dict[str, Any]) -> Any:
     name = ledger_name(job["metadata"]["name"])
     for _ in range(3):
-        try:
-            ledger = kube.core().read_namespaced_config_map(name, namespace)
-        except Exception as exc:
-            if not kube.not_found(exc):
-                raise
-            try:
-                kube.core().create_namespaced_config_map(namespace, _manifest(namespace, job))
-            except Exception as exc:
-                if not kube.conflict(exc):
-                    raise
-            ledger = kube.core().read_namespaced_config_map(name, namespace)
+        ledger = kube.read_or_create(f"ConfigMap {namespace}/{name}",
+                                     lambda: kube.core().read_namespaced_config_map(name, namespace),
+                                     lambda: kube.core().create_namespaced_config_map(namespace,
+                                                                                      _manifest(namespace, job)))
         why = foreign(ledger, job)
         if why is None:
             return ledger
@@ -149,7 +142,8 @@ def claim(record: dict[str, Any], job: dict[str, Any], event_name: str, incident
                 continue
             if not kube.conflict(exc):
                 raise
-    raise RuntimeError(f"alarm ledger {namespace}/{ledger_name(job['metadata']['name'])}: still conflicting")
+    raise kopf.TemporaryError(f"alarm ledger {namespace}/{ledger_name(job['metadata']['name'])}: still conflicting",
+                              delay=1)
 
 
 def _invalid(exc: BaseException) -> bool:

@@ -49,20 +49,13 @@ def _load(settings: Settings) -> bytes:
         return key
     namespace = settings.pod_namespace or "default"
     core = kube.core()
-    try:
-        secret = core.read_namespaced_secret(names.MASTER_KEY_SECRET, namespace)
-    except Exception as exc:
-        if not kube.not_found(exc):
-            raise
-        try:
-            secret = core.create_namespaced_secret(namespace, {
-                "metadata": {"name": names.MASTER_KEY_SECRET, "namespace": namespace,
-                             "labels": {"app.kubernetes.io/managed-by": "sdcguard"}},
-                "type": "Opaque", "data": {"key": base64.b64encode(secrets.token_bytes(32)).decode()}})
-        except Exception as exc:
-            if not kube.conflict(exc):
-                raise
-            secret = core.read_namespaced_secret(names.MASTER_KEY_SECRET, namespace)
+    secret = kube.read_or_create(
+        f"Secret {namespace}/{names.MASTER_KEY_SECRET}",
+        lambda: core.read_namespaced_secret(names.MASTER_KEY_SECRET, namespace),
+        lambda: core.create_namespaced_secret(namespace, {
+            "metadata": {"name": names.MASTER_KEY_SECRET, "namespace": namespace,
+                         "labels": {"app.kubernetes.io/managed-by": "sdcguard"}},
+            "type": "Opaque", "data": {"key": base64.b64encode(secrets.token_bytes(32)).decode()}}))
     key = base64.b64decode((secret.data or {}).get("key") or "")
     if len(key) < names.ALARM_KEY_MIN_BYTES:
         raise ValueError(f"Secret {namespace}/{names.MASTER_KEY_SECRET} holds fewer than {names.ALARM_KEY_MIN_BYTES} bytes")

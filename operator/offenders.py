@@ -35,21 +35,14 @@ def _window(settings: Settings) -> str:
 
 
 def _read_or_create(namespace: str, settings: Settings) -> Any:
-    try:
-        return kube.core().read_namespaced_config_map(names.HARDWARE_HISTORY_CONFIGMAP, namespace)
-    except Exception as exc:
-        if not kube.not_found(exc):
-            raise
-    try:
-        kube.core().create_namespaced_config_map(namespace, {
+    return kube.read_or_create(
+        f"ConfigMap {namespace}/{names.HARDWARE_HISTORY_CONFIGMAP}",
+        lambda: kube.core().read_namespaced_config_map(names.HARDWARE_HISTORY_CONFIGMAP, namespace),
+        lambda: kube.core().create_namespaced_config_map(namespace, {
             "metadata": {"name": names.HARDWARE_HISTORY_CONFIGMAP, "namespace": namespace,
                          "labels": {"app.kubernetes.io/managed-by": "sdcguard"},
                          "annotations": {history.WINDOW_ANNOTATION: _window(settings)}},
-            "data": {}})
-    except Exception as exc:
-        if not kube.conflict(exc):
-            raise
-    return kube.core().read_namespaced_config_map(names.HARDWARE_HISTORY_CONFIGMAP, namespace)
+            "data": {}}))
 
 
 def horizon(settings: Settings, now: float) -> float:

@@ -45,7 +45,7 @@ def receive(event: dict[str, Any], settings: Settings, logger: logging.Logger | 
     except validate.Rejected as rejected:
         outcome = _reject(event, logger, rejected)
     except Exception as exc:  # noqa: BLE001 - a transient failure is retried by kopf, the rest is a rejection
-        if kube.transient(exc) and not final:
+        if kube.worth_retrying(exc) and not final:
             raise
         outcome = _reject(event, logger, validate.Rejected("IntakeError", f"{type(exc).__name__}: {str(exc)[:300]}"))
     return intake.record(event, outcome)

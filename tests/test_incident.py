@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from conftest import CLUSTER, GROUP, make_alarm, phase, start_training
 
+from sdcguard.contract import names
 from sdcguard_operator import incident
 
 
@@ -93,6 +94,24 @@ def test_six_events_for_one_fault_make_one_incident(world):
     assert joined["status"]["alarmCount"] == 6 and len(joined["status"]["duplicates"]) == 5
     assert [world.node_state(n)[1] for n in nodes] == [None, "true", None]
     assert len(world.aws.calls("StartClusterHealthCheck", ids[1])) == 1
+
+
+@pytest.mark.emulator
+@pytest.mark.operator
+def test_a_409_to_the_create_of_an_incident_that_is_not_there_still_opens_it(world):
+    """An overloaded API server answers 409 to writes it did not do (the chaos soak's injected
+    faults). Read as "the incident exists", the join met a 404 and a valid alarm ended as the
+    rejection IntakeError (CI, stop 38); the alarm ledger's create had the same flaw. Now a create
+    answered 409 with nothing there is tried again."""
+    ns = "create-conflict"
+    ids, nodes, pods = start_training(world, ns)
+    world.kube.reject("POST", f"/apis/{names.GROUP}/{names.VERSION}/namespaces/{ns}/{names.INCIDENTS}", 409, times=2)
+    world.kube.reject("POST", f"/api/v1/namespaces/{ns}/configmaps", 409, times=2)  # the alarm ledger's create
+    event = world.alarm_event(ns, make_alarm(ns, "llm", check="replay", step=7, suspects=[(1, pods[1], nodes[1])]))
+    world.wait(lambda: world.event_annotation(ns, event), what="intake annotation")
+    assert world.event_annotation(ns, event) == "incident:llm-replay-7"
+    world.wait(lambda: phase(world, nodes[1]) == "PendingApproval", what="PendingApproval")
+    assert world.incident(ns, "llm-replay-7")["status"].get("alarmCount", 1) == 1
 
 
 @pytest.mark.emulator
