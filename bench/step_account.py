@@ -11,6 +11,11 @@ counted beside the same step of the plain one, and the difference is what sdcgua
   ddp   DistributedDataParallel on ``--ranks`` gloo ranks (3), one rank per simulated node;
   hsdp  FSDP2 over a 2 x 2 ``init_device_mesh("cpu", (2, 2), ("replicate", "shard"))`` mesh on 4
         ranks, ``fully_shard`` per block and on the root; two ranks (one replica) per node.
+  pp    a pipeline of 2 stages x 2 replicas on 4 ranks, laid out ``(dp, pp)`` as bench/overhead.py
+        ``--pp 2`` lays it out: bench/pp_model.py's stages, DDP over each stage's replicas,
+        ``PipelineStage`` and ``Schedule1F1B`` (4 micro-batches), gradient clipping over the
+        pipeline, AdamW; ``Guard(schedule, optimizer)`` and ``s.run_schedule``; a replica's two
+        stages on one node.
 
 Step kinds (``Config(audit_every=0, weight_check_every=4)``; audits asked for with
 ``guard.step(step, audit=True)``): after 4 warm-up steps (DDP rebuilds its buckets, AdamW makes its
@@ -75,7 +80,8 @@ HERE = Path(__file__).resolve().parent
 KINDS = ("ordinary", "audit", "weight-check")
 WARMUP = 4
 SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
-LAYOUT_RANKS = {"hsdp": 4}
+LAYOUT_RANKS = {"hsdp": 4, "pp": 4}
+LAYOUTS = ("ddp", "hsdp", "pp")
 _REDUCTIONS = {"allreduce_", "allreduce_coalesced_", "_reduce_scatter_base_", "reduce_scatter_",
                "reduce_scatter_tensor_coalesced_", "reduce_"}
 GRADIENT_PAYLOAD = 1024
@@ -404,7 +410,11 @@ def worker(layout: str, steps: int, kinds: tuple[str, ...], out: str, device_gat
     rank = dist.get_rank()
     hook_counts = Counts()
 
-    if layout == "hsdp":
+    loss_fn: Any = lm_loss
+    if layout == "pp":
+        module, plain_model, plain_opt, checked_module, checked_model, checked_opt, run, loss_fn, per_node = \
+            _pipeline(rank, device_gate)
+    elif layout == "hsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -426,10 +436,17 @@ def worker(layout: str, steps: int, kinds: tuple[str, ...], out: str, device_gat
             module = TinyGPT()
             return module, DistributedDataParallel(module), torch.optim.AdamW(module.parameters(), lr=1e-3,
                                                                               fused=device_gate or None)
+    if layout != "pp":
+        module, plain_model, plain_opt = replica()
+        checked_module, checked_model, checked_opt = replica()
 
-    module, plain_model, plain_opt = replica()
+        def run(step: int, model: Any, s: Any = None) -> None:
+            batch = lm_batch(step, rank)
+            if s is not None:
+                s.backward(batch)
+            else:
+                lm_loss(model, batch).backward()
     grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)  # unsharded
-    checked_module, checked_model, checked_opt = replica()
     def note_gradient(param: Any) -> None:
         if _current[0] is not None:
             _current[0].gradient(param.grad)
@@ -437,7 +454,7 @@ def worker(layout: str, steps: int, kinds: tuple[str, ...], out: str, device_gat
     for p in (*module.parameters(), *checked_module.parameters()):  # each .grad, as soon as it is there
         p.register_post_accumulate_grad_hook(note_gradient)
     with labelled_comm_hooks(hook_counts):
-        guard = sdcguard.Guard(checked_model, checked_opt, lm_loss, config=sdcguard.Config(
+        guard = sdcguard.Guard(checked_model, checked_opt, loss_fn, config=sdcguard.Config(
             audit_every=0, weight_check_every=0 if device_gate else 4, ranks_per_node=per_node, device_gate=device_gate))
     kind_of = (lambda step: "ordinary") if device_gate else step_kind
 
@@ -445,7 +462,7 @@ def worker(layout: str, steps: int, kinds: tuple[str, ...], out: str, device_gat
         with label("zero_grad"):
             plain_opt.zero_grad(set_to_none=True)
         with label("backward"):
-            lm_loss(plain_model, lm_batch(step, rank)).backward()
+            run(step, plain_model)
         with label("update"):
             plain_opt.step()
 
@@ -457,7 +474,7 @@ def worker(layout: str, steps: int, kinds: tuple[str, ...], out: str, device_gat
             s.__enter__()
         try:
             with label("backward"):
-                s.backward(lm_batch(step, rank))
+                run(step, checked_model, s)
             with label("check"):
                 s.check()
             with label("update"):
@@ -498,6 +515,50 @@ def worker(layout: str, steps: int, kinds: tuple[str, ...], out: str, device_gat
     dist.barrier()
     guard.close()
     dist.destroy_process_group()
+
+
+def _pipeline(rank: int, device_gate: bool) -> tuple[Any, ...]:
+    """``--layout pp``: two replicas (plain, checked) of a 2-stage x 2-replica pipeline (see the
+    module's docstring); returns them with the step's forward + backward (``run``), the Guard's loss
+    function (None: the schedule has its own) and the ranks per node. Gradient clipping over the
+    pipeline is part of the step, counted on both sides alike."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.nn.parallel import DistributedDataParallel
+    from pp_model import MICRO_BATCHES, batch, clip, stage_module
+
+    from sdcguard.checks.rng import forward_seed, seeded
+
+    stages = 2
+    mesh = init_device_mesh("cpu", (2, stages), mesh_dim_names=("dp", "pp"))
+    position, replica_index = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    pp_group, dp_group, cpu = mesh["pp"].get_group(), mesh["dp"].get_group(), torch.device("cpu")
+
+    def replica() -> tuple[Any, Any, Any]:
+        module = stage_module(position, stages)
+        held = DistributedDataParallel(module, process_group=dp_group, find_unused_parameters=True)
+        schedule = Schedule1F1B(PipelineStage(held, position, stages, cpu, group=pp_group), MICRO_BATCHES,
+                                loss_fn=F.cross_entropy)
+        return module, schedule, torch.optim.AdamW(module.parameters(), lr=1e-3, fused=device_gate or None)
+
+    plain_module, plain_schedule, plain_opt = replica()
+    checked_module, checked_schedule, checked_opt = replica()
+    modules = {id(plain_schedule): plain_module, id(checked_schedule): checked_module}
+
+    def run(step: int, schedule: Any, s: Any = None) -> None:
+        x, y = batch(step, replica_index)
+        args, target = ((x,) if position == 0 else ()), (y if position == stages - 1 else None)
+        if s is not None:
+            s.run_schedule(*args, target=target)
+        else:
+            with seeded(forward_seed(0, step, rank, 0), cpu):  # as the Guard seeds its forward
+                schedule.step(*args, target=target)
+        clip([modules[id(schedule)]], pp_group)
+
+    return (plain_module, plain_schedule, plain_opt, checked_module, checked_schedule, checked_opt, run, None,
+            stages)
 
 
 # -- the account ----------------------------------------------------------------------------------
@@ -578,8 +639,9 @@ def _fmt(x: float) -> str:
 def report(layout: str, results: list[dict[str, Any]]) -> str:
     r0 = results[0]
     lines = []
-    model = ("DDP, TinyGPT" if layout == "ddp" else
-             "HSDP 2 x 2 (fully_shard per block and on the root), TinyGPT")
+    model = {"ddp": "DDP, TinyGPT", "hsdp": "HSDP 2 x 2 (fully_shard per block and on the root), TinyGPT",
+             "pp": "pipeline 2 stages x 2 replicas (DDP per stage, Schedule1F1B, 4 micro-batches), "
+                   "bench/pp_model.py"}[layout]
     lines.append(f"## {layout}: {model}; {r0['world']} gloo ranks; {r0['steps']} counted steps per kind; "
                  f"gradient bytes on rank 0: {r0['grad_bytes']:,}")
     for kind in r0["kinds"]:
@@ -656,9 +718,9 @@ def goals(results: list[dict[str, Any]], device_gate: bool = False) -> list[str]
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layout", choices=("ddp", "hsdp", "all"), default="all")
+    parser.add_argument("--layout", choices=(*LAYOUTS, "all"), default="all")
     parser.add_argument("--steps", type=int, default=3, help="counted steps of each kind")
-    parser.add_argument("--ranks", type=int, default=3, help="DDP ranks (HSDP: 4)")
+    parser.add_argument("--ranks", type=int, default=3, help="DDP ranks (HSDP, pp: 4)")
     parser.add_argument("--kinds", default=",".join(KINDS), help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write every rank's figures here")
     parser.add_argument("--device-gate", action="store_true",
@@ -670,7 +732,7 @@ def main() -> int:
         worker(args.layout, args.steps, kinds, args.worker, args.device_gate)
         return 0
     everything = {}
-    for layout in (("ddp", "hsdp") if args.layout == "all" else (args.layout,)):
+    for layout in (LAYOUTS if args.layout == "all" else (args.layout,)):
         results = account(layout, args.ranks, args.steps, kinds, device_gate=args.device_gate)
         everything[layout] = results
         print(report(layout, results) if not args.device_gate else

@@ -56,3 +56,22 @@ def test_the_device_gate_adds_no_host_sync_to_an_ordinary_ddp_step() -> None:
         assert added["added_collectives"] == {"allreduce_ 16 B": 1}, added["coll_sites"]
         # The previous step's verdict was read, from host memory, once per step: the counting saw it.
         assert added["deferred_reads"] == (0, 1)
+
+
+@pytest.mark.multiprocess
+def test_a_pipeline_audit_step_reads_each_pass_to_the_host_once() -> None:
+    """A pipeline's audit step (2 stages x 2 replicas, 1F1B, 4 micro-batches) once read every
+    boundary fingerprint on its own, per micro-batch, and every replayed loss: +16 host reads on
+    the first stage, +33 on the last. Now each pass — the own one, the replay — is read in one
+    transfer (``BoundaryLog.into``), besides the weights' and the exchanges' reads: +8 on every
+    rank. The ordinary step adds the vote's one read and its one 16-byte collective, as DDP's."""
+    import step_account
+
+    results = step_account.account("pp", steps=1, kinds=("ordinary", "audit"), timeout=300)
+    for result in results:
+        ordinary, audit = step_account.added(result, "ordinary"), step_account.added(result, "audit")
+        assert ordinary["syncs"][1] - ordinary["syncs"][0] <= 1, ordinary["sync_sites"]
+        assert ordinary["added_collectives"] == {"allreduce_ 16 B": 1}, ordinary["coll_sites"]
+        fingerprint_reads = sum(n for site, n in audit["sync_sites"].items() if "agent/fingerprint/" in site)
+        assert fingerprint_reads <= 3, f"rank {result['rank']}: {audit['sync_sites']}"  # own pass, replay, weights
+        assert audit["syncs"][1] - audit["syncs"][0] <= 8, f"rank {result['rank']}: {audit['sync_sites']}"

@@ -115,11 +115,16 @@ class GradientRecorder:
         indices = [self.param_index[id(param)] for param in bucket.parameters()]
         self.pending[bucket.index()] = (indices, fingerprint_sums(bucket.gradients()))
 
+    def pending_sums(self) -> list[tuple[list[int], torch.Tensor]]:
+        """This step's local-gradient fingerprint sums (audit steps only), still on the device: per
+        bucket, its parameters' indices and their ``(n, 2)`` sums."""
+        return list(self.pending.values())
+
     def fingerprints(self, losses: torch.Tensor | None = None) -> tuple[list[Fingerprint], dict[int, Fingerprint]]:
         """This step's local-gradient fingerprints by parameter index (audit steps only), and those
         of ``losses`` (fingerprint sums, e.g. the step's audited losses'): all in one read to the
         host, not one per bucket."""
-        entries = list(self.pending.values())
+        entries = self.pending_sums()
         loss_fps, *buckets = to_fingerprints_together(
             [losses if losses is not None else torch.zeros((0, 2), dtype=torch.int64), *(sums for _, sums in entries)])
         return loss_fps, {index: fp for (indices, _), fps in zip(entries, buckets) for index, fp in zip(indices, fps)}

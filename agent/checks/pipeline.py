@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ..contract.alarm import CHECK_REPLAY
-from ..fingerprint import Fingerprint, fingerprint_many
+from ..fingerprint import Fingerprint, fingerprint_sums, to_fingerprints_together
 from .attribution import attribute, mismatching_pairs
 from .verdict import Verdict
 
@@ -166,17 +166,25 @@ def _bytes(fp: Fingerprint) -> bytes:
     return fp.s0.to_bytes(8, "little") + fp.s1.to_bytes(8, "little")
 
 
+GradSums = list[tuple[int, list[int], torch.Tensor]]
+"""A pass's parameter-gradient fingerprint sums, still on the device: ``(stage, keys, sums)``, row
+``j`` of ``sums`` the fingerprint of the gradient keyed ``keys[j]`` (:attr:`StagePass.grads`)."""
+
+
 class BoundaryLog:
     """Records what crosses a stage's boundaries while on: wraps the stage's ``forward_one_chunk``
     and ``backward_one_chunk`` (the schedule's per-micro-batch calls) on the stage object itself.
-    The fingerprints are read only on audit steps; other steps pay one attribute check."""
+    The fingerprints are taken only on audit steps (other steps pay one attribute check), and their
+    sums stay on the device until :meth:`into` reads them with the pass's other fingerprints: one
+    host read per pass, not one per micro-batch and boundary. A last stage's outputs are not
+    recorded (they are its losses, fingerprinted as such)."""
 
     __slots__ = ("on", "outputs", "input_grads")
 
     def __init__(self) -> None:
         self.on = False
-        self.outputs: dict[int, dict[int, list[Fingerprint]]] = {}
-        self.input_grads: dict[int, dict[int, list[Fingerprint]]] = {}
+        self.outputs: dict[int, dict[int, torch.Tensor]] = {}
+        self.input_grads: dict[int, dict[int, torch.Tensor]] = {}
 
     def start(self, on: bool) -> None:
         """Forget what was recorded; record from now on when ``on``."""
@@ -193,33 +201,40 @@ class BoundaryLog:
 
         def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             out = forward(fwd_chunk_id, *args, **kwargs)
-            if log.on:
+            if log.on and not stage.is_last:
                 outputs, _ = stage.fwd_cache[fwd_chunk_id]
-                log.outputs.setdefault(index, {})[fwd_chunk_id] = _tensor_fps(outputs)
+                log.outputs.setdefault(index, {})[fwd_chunk_id] = _tensor_sums(outputs)
             return out
 
         def backward_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             out = backward(bwd_chunk_id, *args, **kwargs)
             if log.on and not stage.is_first:
-                log.input_grads.setdefault(index, {})[bwd_chunk_id] = _tensor_fps(stage.bwd_cache.get(bwd_chunk_id, ()))
+                log.input_grads.setdefault(index, {})[bwd_chunk_id] = _tensor_sums(stage.bwd_cache.get(bwd_chunk_id, ()))
             return out
 
         stage.forward_one_chunk = forward_one_chunk
         stage.backward_one_chunk = backward_one_chunk
 
-    def into(self, result: StagePass, last_stages: set[int]) -> StagePass:
-        """``result`` with this log's boundary fingerprints (a last stage's outputs are its losses')."""
-        for stage, by_micro in self.outputs.items():
-            if stage not in last_stages:
-                result.outputs[stage] = [by_micro[m] for m in sorted(by_micro)]
-        for stage, by_micro in self.input_grads.items():
-            result.input_grads[stage] = [by_micro[m] for m in sorted(by_micro)]
+    def into(self, losses: torch.Tensor, grads: GradSums) -> StagePass:
+        """The pass: its losses' fingerprint sums (``(n, 2)``), its gradients' and this log's
+        boundaries', read to the host in one transfer."""
+        boundaries = [(part, stage, sums) for part, book in (("outputs", self.outputs), ("input_grads", self.input_grads))
+                      for stage, by_micro in book.items() for _, sums in sorted(by_micro.items())]
+        loss_fps, *read = to_fingerprints_together([losses, *(sums for _, _, sums in grads),
+                                                    *(sums for _, _, sums in boundaries)])
+        result = StagePass(losses=loss_fps)
+        for (stage, keys, _), fps in zip(grads, read):
+            result.grads.setdefault(stage, {}).update(zip(keys, fps))
+        for (part, stage, _), fps in zip(boundaries, read[len(grads):]):
+            getattr(result, part).setdefault(stage, []).append(fps)  # in micro-batch order
         return result
 
 
-def _tensor_fps(values: Any) -> list[Fingerprint]:
+def _tensor_sums(values: Any) -> torch.Tensor:
     tensors = [t.detach() for t in _flatten(values) if isinstance(t, torch.Tensor)]
-    return fingerprint_many(tensors) if tensors else []
+    if len({t.device for t in tensors}) > 1:  # unusual (a stage's tensors live on its device): one device
+        return torch.cat([fingerprint_sums([t]).to(tensors[0].device) for t in tensors])
+    return fingerprint_sums(tensors)
 
 
 def _flatten(values: Any) -> list[Any]:

@@ -38,7 +38,7 @@ from ..checks.rng import forward_seed, seeded
 from ..checks.topology import Topology
 from ..checks.verdict import Verdict
 from ..checks.weights import WeightCheck, weights_verdict
-from ..fingerprint import fingerprint
+from ..fingerprint import fingerprint_sums
 from .base import Scale, StepRecord, Vote, answered, everywhere_finite, flag_token, raise_replay_failures, replicas_token
 from .pipeline_stages import StageReplicas, stage_replicas
 from .pipeline_store import PipelineStore
@@ -100,7 +100,6 @@ class Pipeline:
         assert [n for n, _ in self.module.named_parameters()] == [n for ps in self.stage_params for n, _ in ps]
         self.named_parameters = [np for params in self.stage_params for np in params]
         self.checks_weights = self.replicas.weights_group is not None
-        self.last_stages = {st.stage_index for st in self.stages if st.is_last}
         self.own_log = BoundaryLog()
         for stage in self.stages:
             self.own_log.install(stage)
@@ -230,8 +229,7 @@ class Pipeline:
     # -- check 2 ---------------------------------------------------------------------------------
 
     def own_pass(self, s: StepRecord) -> StagePass:
-        result = StagePass(losses=list(s.loss_fps), grads=self.replicas.own_grads())
-        return self.own_log.into(result, self.last_stages)
+        return self.own_log.into(s.loss_sums, self.replicas.own_grad_sums())  # one read to the host
 
     def post_batch(self, blob: torch.Tensor, own_digest: bytes) -> Incoming:
         topo, me = self.topology, self.topology.rank
@@ -277,14 +275,15 @@ class Pipeline:
             with self.replicas.isolated(check_finite), replay_mode(), \
                     seeded(forward_seed(self.seed, payload.step, payload.owner, 0), self.device):
                 schedule.step(*micro["args"], target=micro["target"], losses=losses, **micro["kwargs"])
-                grads, finite = self.replicas.replay_grads(check_finite)
-            result = StagePass(losses=[fingerprint(loss.detach()) for loss in losses], grads=grads)
-            finite = finite and all(bool(torch.isfinite(loss).all()) for loss in losses)
+                grads, finite = self.replicas.replay_grad_sums(check_finite)
+            loss_sums = fingerprint_sums([loss.detach() for loss in losses])
+            if check_finite and losses:
+                finite = finite and bool(torch.stack([torch.isfinite(loss).all() for loss in losses]).all())
         finally:
             self.replay_log.stop()
             for m, b in zip(self.modules, saved_buffers):
                 load_buffers(m, b)
-        return self.replay_log.into(result, self.last_stages), finite
+        return self.replay_log.into(loss_sums, grads), finite  # one read to the host
 
     def _build_replay_schedule(self) -> Any:
         """The user's schedule class over stages built on the replay modules (DDP's bare module: a

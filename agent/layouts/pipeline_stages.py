@@ -27,9 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ..checks.commhook import GradientRecorder, ReduceHook, record_then_reduce
 from ..checks.reduce_checksum import Shape, rounding_bound
 from ..checks.weights import WeightCheck, fingerprint_weights
-from ..fingerprint import Fingerprint, fingerprint_many, to_fingerprints
-
-Grads = dict[int, dict[int, Fingerprint]]
+from ..checks.pipeline import GradSums
+from ..fingerprint import fingerprint_sums
 """stage index -> what its gradients' fingerprints are keyed by (parameter or unit) -> fingerprint."""
 
 
@@ -62,11 +61,13 @@ class StageReplicas(Protocol):
     def begin_step(self, step: int, audit: bool) -> None: ...
     def first_step_after_resume(self) -> contextlib.AbstractContextManager[None]: ...
     def vote(self, device: torch.device) -> StageVote: ...
-    def own_grads(self) -> Grads: ...
+    def own_grad_sums(self) -> GradSums:
+        """This rank's own pass's gradient fingerprint sums per stage (on the device, unread)."""
     def replay_module(self, i: int) -> torch.nn.Module: ...
     def isolated(self, norms: bool) -> contextlib.AbstractContextManager[None]:
         """Around a replay (``norms``: its gradients' finiteness will be asked for)."""
-    def replay_grads(self, check_finite: bool) -> tuple[Grads, bool]: ...
+    def replay_grad_sums(self, check_finite: bool) -> tuple[GradSums, bool]:
+        """The replay's, and whether its gradients are finite (``check_finite``; else True)."""
     def fingerprint_weights(self, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> WeightCheck | None: ...
     weights_group: dist.ProcessGroup | None
     """Whom check 3 compares this rank's weights with (None: nobody, pure FSDP)."""
@@ -161,8 +162,8 @@ class DdpStages:
         return StageVote(_sum(votes), underflow, sum(shape.buckets for shape in shapes),
                          lambda: _sum([r.rows(device) for r in self.recorders]))
 
-    def own_grads(self) -> Grads:
-        return {i: r.fingerprints()[1] for i, r in zip(self.indices, self.recorders)}
+    def own_grad_sums(self) -> GradSums:
+        return [(i, indices, sums) for i, r in zip(self.indices, self.recorders) for indices, sums in r.pending_sums()]
 
     def replay_module(self, i: int) -> torch.nn.Module:
         return self.modules[i]  # the bare module: a replay's gradients stay on this rank
@@ -179,15 +180,15 @@ class DdpStages:
             for p, g in zip(params, saved):
                 p.grad = g
 
-    def replay_grads(self, check_finite: bool) -> tuple[Grads, bool]:
-        out: Grads = {}
-        finite = True
+    def replay_grad_sums(self, check_finite: bool) -> tuple[GradSums, bool]:
+        out: GradSums = []
+        finite: list[torch.Tensor] = []
         for i, params in zip(self.indices, self.params):
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            out[i] = dict(enumerate(fingerprint_many(grads)))
+            out.append((i, list(range(len(grads))), fingerprint_sums(grads)))
             if check_finite:
-                finite = finite and all(bool(torch.isfinite(g).all()) for g in grads)
-        return out, finite
+                finite += [torch.isfinite(g).all() for g in grads]
+        return out, _all(finite)
 
     def fingerprint_weights(self, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> WeightCheck | None:
         return fingerprint_weights(named_parameters)
@@ -288,13 +289,14 @@ class FsdpStages:
         return StageVote(_sum([v.vote.to(device) for v in votes]), underflow, buckets,
                          lambda: _sum([v.row[:2].to(device) for v in votes]))
 
-    def own_grads(self) -> Grads:
+    def own_grad_sums(self) -> GradSums:
         from ..sharding.replay import pass_key
-        out: Grads = {}
+        out: GradSums = []
         for i, recorder in zip(self.indices, self.recorders):
             records = [rec for rec in recorder.records if rec.fp is not None]
-            fps = to_fingerprints(torch.stack([rec.fp for rec in records])) if records else []
-            out[i] = {pass_key(rec.unit, rec.micro, len(recorder.units)): fp for rec, fp in zip(records, fps)}
+            if records:
+                out.append((i, [pass_key(rec.unit, rec.micro, len(recorder.units)) for rec in records],
+                            torch.stack([rec.fp for rec in records])))
         return out
 
     def replay_module(self, i: int) -> torch.nn.Module:
@@ -311,18 +313,19 @@ class FsdpStages:
                 stack.enter_context(_no_all_reduce(module))
             yield
 
-    def replay_grads(self, check_finite: bool) -> tuple[Grads, bool]:
+    def replay_grad_sums(self, check_finite: bool) -> tuple[GradSums, bool]:
         from ..sharding.replay import pass_key
-        out: Grads = {}
-        finite = True
+        out: GradSums = []
+        finite: list[torch.Tensor] = []
         for i, recorder, trace in zip(self.indices, self.recorders, self._traces):
             calls = trace.calls
-            fps = to_fingerprints(torch.stack([c[2] for c in calls])) if calls else []
-            # the pipeline reduces once per step, after its last backward: micro-batch 0, as in the owner's pass
-            out[i] = {pass_key(u, m, len(recorder.units)): fp for (u, m, _, _), fp in zip(calls, fps)}
+            if calls:
+                # the pipeline reduces once per step, after its last backward: micro-batch 0, as in the owner's pass
+                out.append((i, [pass_key(u, m, len(recorder.units)) for u, m, _, _ in calls],
+                            torch.stack([c[2] for c in calls])))
             if check_finite:
-                finite = finite and all(bool(torch.isfinite(c[3])) for c in calls)
-        return out, finite
+                finite += [torch.isfinite(c[3]).all() for c in calls]
+        return out, _all(finite)
 
     def fingerprint_weights(self, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> WeightCheck | None:
         from ..sharding.shard_weights import fingerprint_shards
@@ -396,3 +399,8 @@ def _stage_layout(module: torch.nn.Module) -> Any:
 
 def _sum(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(parts).sum(0) if len(parts) > 1 else parts[0]
+
+
+def _all(flags: list[torch.Tensor]) -> bool:
+    """Whether every flag holds, in one read to the host (True for none)."""
+    return bool(torch.stack(flags).all()) if flags else True
