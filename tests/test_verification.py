@@ -133,3 +133,24 @@ def test_an_error_of_this_rank_alone_propagates_untouched_whatever_the_vote(grou
     with pytest.raises(MemoryError, match="out of memory"):
         audit_step(layout)
     assert "confirm_nonfinite" not in layout.calls
+
+
+def test_a_single_replica_checks_its_gradients_with_one_host_read(group, monkeypatch):
+    """A job of one replica runs only the local non-finite check, every step: its gradients once
+    read one flag per parameter to the host (hundreds of stalls a step on a GPU); now one."""
+    named = [(f"p{i}", torch.nn.Parameter(torch.ones(3))) for i in range(5)]
+    for _, p in named:
+        p.grad = torch.ones(3)
+    layout = SimpleNamespace(topology=SimpleNamespace(world_size=1, rank=0), device=CPU, group=None,
+                             named_parameters=named)
+    verifier = Verifier(layout, CheckStats(identity={}, job=None))
+    record = StepRecord(3, False, Payload(3, 0, [torch.zeros(2)], [], []),
+                        torch.zeros((0, 2), dtype=torch.int64), [torch.tensor(0.5), torch.tensor(float("nan"))])
+    reads = []
+    real_bool = torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append(1) or real_bool(t))
+    assert verifier.before_update(record, None) is PASSED
+    assert len(reads) == 1
+    named[3][1].grad[1] = float("inf")
+    outcome = verifier.before_update(record, None)
+    assert (outcome.nonfinite, outcome.confirmed) == ({0: 1}, False)  # the first micro-batch whose loss is not finite

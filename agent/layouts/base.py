@@ -216,8 +216,10 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def gradients_finite(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> bool:
-    """This rank's gradients (a DTensor's local shard) are finite, element by element (no collective)."""
-    return all(bool(torch.isfinite(local_tensor(p.grad)).all()) for _, p in named_parameters if p.grad is not None)
+    """This rank's gradients (a DTensor's local shard) are finite, element by element (no collective),
+    in one read to the host (not one per parameter: a single-replica job asks every step)."""
+    flags = [torch.isfinite(local_tensor(p.grad)).all() for _, p in named_parameters if p.grad is not None]
+    return bool(torch.stack([f.to(flags[0].device) for f in flags]).all()) if flags else True
 
 
 def everywhere_finite(named_parameters: list[tuple[str, torch.nn.Parameter]], device: torch.device,
