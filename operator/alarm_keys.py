@@ -77,24 +77,32 @@ def ensure(job: Mapping[str, Any], settings: Settings, logger: logging.Logger | 
     or "replaced" (one the operator may not keep was deleted and created anew)."""
     meta = job["metadata"]
     body = manifest(job, settings)
-    try:
-        kube.core().create_namespaced_secret(meta["namespace"], body)
-    except Exception as exc:
-        if not kube.conflict(exc):
-            raise
+    for _ in range(kube.CREATE_TRIES):
+        try:
+            kube.core().create_namespaced_secret(meta["namespace"], body)
+            break
+        except Exception as exc:
+            if not kube.conflict(exc):
+                raise
         try:
             stored = kube.core().patch_namespaced_secret(
                 body["metadata"]["name"], meta["namespace"],
                 {"metadata": {"ownerReferences": body["metadata"]["ownerReferences"],
                               "labels": body["metadata"]["labels"]}, "data": body["data"]})
         except Exception as exc:
-            if kube.transient(exc) or kube.not_found(exc) or not hasattr(exc, "status"):
+            if kube.not_found(exc):  # the 409 was not "AlreadyExists" (an overloaded API server's): create again
+                kube.pause_before_retry()
+                continue
+            if kube.transient(exc) or not hasattr(exc, "status"):
                 raise
             return _replace(job, body, f"the key could not be written over it (HTTP {exc.status})", logger)
         why = foreign(stored)
         if why:
             return _replace(job, body, why, logger)
         return "written"
+    else:
+        raise kopf.TemporaryError(f"Secret {meta['namespace']}/{body['metadata']['name']}: create answered 409 "
+                                  f"{kube.CREATE_TRIES} times and nothing is there", delay=1)
     metrics.ALARM_KEYS.inc()
     logger.info(f"alarm key Secret {meta['namespace']}/{body['metadata']['name']} created")
     return "created"

@@ -199,7 +199,9 @@ def open_or_join(record: dict[str, Any], event_name: str, text: str, signature: 
     incident (read as "exists", it became a 404 on the join and the valid alarm a rejection)."""
     body = manifest(record, event_name, text=text, signature=signature, job_uid=job_uid, settings=settings)
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    for _ in range(kube.CONFLICT_RETRIES):
+    for attempt in range(kube.CREATE_TRIES):
+        if attempt:
+            kube.pause_before_retry(attempt)
         try:
             kube.custom().create_namespaced_custom_object(names.GROUP, names.VERSION, namespace, names.INCIDENTS,
                                                           body)
@@ -212,7 +214,7 @@ def open_or_join(record: dict[str, Any], event_name: str, text: str, signature: 
             return name, False
         metrics.INCIDENTS.labels(record["check"]).inc()
         return name, True
-    raise kopf.TemporaryError(f"{names.INCIDENTS}/{name}: create answered 409 {kube.CONFLICT_RETRIES} times "
+    raise kopf.TemporaryError(f"{names.INCIDENTS}/{name}: create answered 409 {kube.CREATE_TRIES} times "
                               "and nothing is there", delay=1)
 
 

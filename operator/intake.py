@@ -59,24 +59,32 @@ def handle(event: dict[str, Any], settings: Settings, logger: logging.Logger | l
 
 class RateLimiter:
     """A token bucket per namespace: ``rate_per_minute`` Events, ``burst`` at once (in memory: a
-    restarted or new leader starts with full buckets)."""
+    restarted or new leader starts with full buckets). An Event let through once (``key``: its
+    uid) is let through again: kopf's retry of a transient failure spends no second token."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._buckets: dict[str, tuple[float, float]] = {}
+        self._admitted: dict[str, float] = {}
         self.reported: dict[str, float] = {}
 
-    def allow(self, namespace: str, settings: Settings, now: float | None = None) -> bool:
+    def allow(self, namespace: str, settings: Settings, now: float | None = None, key: str | None = None) -> bool:
         if not settings.alarm_rate_per_minute:
             return True
         now = time.monotonic() if now is None else now
         with self._lock:
+            if key is not None and key in self._admitted:
+                return True
             tokens, then = self._buckets.get(namespace, (float(settings.alarm_burst), now))
             tokens = min(float(settings.alarm_burst), tokens + (now - then) * settings.alarm_rate_per_minute / 60.0)
             allowed = tokens >= 1.0
             self._buckets[namespace] = (tokens - 1.0 if allowed else tokens, now)
+            if allowed and key is not None:
+                self._admitted[key] = now
             if len(self._buckets) > 4096:  # forget namespaces whose buckets are full again
                 self._buckets = {k: v for k, v in self._buckets.items() if now - v[1] < 3600}
+            if len(self._admitted) > 4096:  # kopf's retries of an Event end within the hour
+                self._admitted = {k: t for k, t in self._admitted.items() if now - t < 3600}
             return allowed
 
 
@@ -98,7 +106,7 @@ def _handle(event: dict[str, Any], settings: Settings, logger: logging.Logger | 
     event_name = event["metadata"]["name"]
     try:
         namespace = event["metadata"].get("namespace") or ""
-        if not LIMITER.allow(namespace, settings):
+        if not LIMITER.allow(namespace, settings, key=event["metadata"].get("uid")):
             raise validate.Rejected("RateLimited", f"namespace {namespace} posted more than "
                                     f"{settings.alarm_rate_per_minute:g} alarm Events a minute (burst "
                                     f"{settings.alarm_burst}; SDCGUARD_ALARM_RATE_PER_MINUTE)")

@@ -16,6 +16,7 @@ import datetime
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,8 @@ GROUP_LABEL = names.HYPERPOD_GROUP_LABEL
 _client: kubernetes.client.ApiClient | None = None
 _client_lock = threading.Lock()
 CONFLICT_RETRIES = 8
+CREATE_TRIES = 4
+"""A create answered 409 with nothing there to read is tried this many times in one handler run."""
 _identity: list[str] = []
 
 
@@ -83,8 +86,11 @@ def now() -> str:
 def read_or_create(what: str, read: Callable[[], Any], create: Callable[[], Any]) -> Any:
     """Read an object, creating it when it is absent; returns it.  A 409 to the create is someone
     else's create (the next read finds it), or an overloaded API server's answer to a create it did
-    not do (the next read finds nothing, and the create is tried again)."""
-    for _ in range(CONFLICT_RETRIES):
+    not do (the next read finds nothing, and the create is tried again, after a pause); after
+    :data:`CREATE_TRIES` a ``kopf.TemporaryError``: the handler is retried later."""
+    for attempt in range(CREATE_TRIES):
+        if attempt:
+            pause_before_retry(attempt)
         try:
             return read()
         except kubernetes.client.ApiException as exc:
@@ -95,7 +101,12 @@ def read_or_create(what: str, read: Callable[[], Any], create: Callable[[], Any]
         except kubernetes.client.ApiException as exc:
             if not conflict(exc):
                 raise
-    raise kopf.TemporaryError(f"{what}: neither read nor created after {CONFLICT_RETRIES} tries", delay=1)
+    raise kopf.TemporaryError(f"{what}: neither read nor created after {CREATE_TRIES} tries", delay=1)
+
+
+def pause_before_retry(attempt: int = 1) -> None:
+    """A short pause before writing again to an API server that answered a write it did not do."""
+    time.sleep(min(1.0, 0.2 * attempt))
 
 
 def worth_retrying(exc: BaseException) -> bool:

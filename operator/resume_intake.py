@@ -53,7 +53,7 @@ def receive(event: dict[str, Any], settings: Settings, logger: logging.Logger | 
 
 def _handle(event: dict[str, Any], settings: Settings, logger: logging.Logger | logging.LoggerAdapter) -> str:
     namespace = event["metadata"].get("namespace") or ""
-    if not intake.LIMITER.allow(namespace, settings):
+    if not intake.LIMITER.allow(namespace, settings, key=event["metadata"].get("uid")):
         raise validate.Rejected("RateLimited", f"namespace {namespace} posted too many sdcguard Events")
     signature = signature_check.presented(event, settings, logger)
     text = event["metadata"]["annotations"][names.RESUME_ANNOTATION]

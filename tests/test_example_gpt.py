@@ -55,7 +55,15 @@ def clean(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
-    return launch("train_plain.py", tmp_path_factory.mktemp("plain"), *COMMON)
+    """The baseline, plain PyTorch: one launch more if gloo's teardown aborted a rank ("terminate
+    called without an active exception", SIGABRT: seen once in CI, pytorch/pytorch#179291's
+    family), which says nothing about the loop whose weights the tests compare."""
+    try:
+        return launch("train_plain.py", tmp_path_factory.mktemp("plain"), *COMMON)
+    except AssertionError as exc:
+        if "terminate called without an active exception" not in str(exc):
+            raise
+        return launch("train_plain.py", tmp_path_factory.mktemp("plain-again"), *COMMON)
 
 
 @pytest.fixture(scope="module")

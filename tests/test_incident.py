@@ -101,9 +101,11 @@ def test_six_events_for_one_fault_make_one_incident(world):
 def test_a_409_to_the_create_of_an_incident_that_is_not_there_still_opens_it(world):
     """An overloaded API server answers 409 to writes it did not do (the chaos soak's injected
     faults). Read as "the incident exists", the join met a 404 and a valid alarm ended as the
-    rejection IntakeError (CI, stop 38); the alarm ledger's create had the same flaw. Now a create
-    answered 409 with nothing there is tried again."""
+    rejection IntakeError (CI, stop 38); the alarm ledger's create had the same flaw, and the job's
+    alarm key Secret waited for the next recheck. Now a create answered 409 with nothing there is
+    tried again."""
     ns = "create-conflict"
+    world.kube.reject("POST", f"/api/v1/namespaces/{ns}/secrets", 409, times=1)  # the job's alarm key's create
     ids, nodes, pods = start_training(world, ns)
     world.kube.reject("POST", f"/apis/{names.GROUP}/{names.VERSION}/namespaces/{ns}/{names.INCIDENTS}", 409, times=2)
     world.kube.reject("POST", f"/api/v1/namespaces/{ns}/configmaps", 409, times=2)  # the alarm ledger's create

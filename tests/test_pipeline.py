@@ -139,6 +139,33 @@ def test_a_stage_pass_survives_its_json():
 
 # -- how the stages are replicated (layouts/pipeline_stages) --------------------------------------
 
+def test_a_pass_is_assembled_from_its_sums_in_one_read_as_the_fingerprints_say():
+    """``BoundaryLog.into``: what the stages recorded on the device becomes the pass the digest and
+    the JSON carry — outputs and input gradients per stage in micro-batch order (recorded in
+    another order), gradients per stage (a stage that recorded none is there, empty), losses."""
+    import torch
+
+    from sdcguard.checks.pipeline import BoundaryLog
+    from sdcguard.fingerprint import fingerprint_many, fingerprint_sums
+
+    torch.manual_seed(0)
+    t = [torch.randn(3, 4) for _ in range(8)]
+    log = BoundaryLog()
+    log.outputs = {0: {1: fingerprint_sums([t[1]]), 0: fingerprint_sums([t[0], t[2]])}}  # stage 0 of 2 and 3
+    log.input_grads = {2: {0: fingerprint_sums([t[3]]), 1: fingerprint_sums([])},
+                       0: {1: fingerprint_sums([t[4]]), 0: fingerprint_sums([t[5]])}}
+    losses = fingerprint_sums([t[6][0, 0], t[6][1, 1]])
+    grads = [(0, [3, 1], fingerprint_sums([t[7], t[0]])), (2, [], torch.zeros((0, 2), dtype=torch.int64))]
+    got = log.into(losses, grads)
+    fp = fingerprint_many
+    want = StagePass(losses=fp([t[6][0, 0], t[6][1, 1]]),
+                     outputs={0: [fp([t[0], t[2]]), fp([t[1]])]},
+                     input_grads={2: [fp([t[3]]), []], 0: [fp([t[5]]), fp([t[4]])]},
+                     grads={0: {3: fp([t[7]])[0], 1: fp([t[0]])[0]}, 2: {}})
+    assert got == want and got.digest() == want.digest()
+    assert StagePass.from_json(json.loads(json.dumps(got.to_json()))) == want
+
+
 def test_a_stage_module_neither_ddp_nor_fsdp2_is_refused_naming_both():
     from types import SimpleNamespace
 

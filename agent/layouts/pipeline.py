@@ -275,10 +275,12 @@ class Pipeline:
             with self.replicas.isolated(check_finite), replay_mode(), \
                     seeded(forward_seed(self.seed, payload.step, payload.owner, 0), self.device):
                 schedule.step(*micro["args"], target=micro["target"], losses=losses, **micro["kwargs"])
-                grads, finite = self.replicas.replay_grad_sums(check_finite)
+                grads, flags = self.replicas.replay_grad_sums(check_finite)
             loss_sums = fingerprint_sums([loss.detach() for loss in losses])
-            if check_finite and losses:
-                finite = finite and bool(torch.stack([torch.isfinite(loss).all() for loss in losses]).all())
+            if check_finite:
+                flags += [torch.isfinite(loss).all() for loss in losses]
+            # one read to the host for every flag (True when not asked for)
+            finite = bool(torch.stack([f.to(self.device) for f in flags]).all()) if flags else True
         finally:
             self.replay_log.stop()
             for m, b in zip(self.modules, saved_buffers):

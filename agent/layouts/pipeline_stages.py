@@ -29,7 +29,6 @@ from ..checks.reduce_checksum import Shape, rounding_bound
 from ..checks.weights import WeightCheck, fingerprint_weights
 from ..checks.pipeline import GradSums
 from ..fingerprint import fingerprint_sums
-"""stage index -> what its gradients' fingerprints are keyed by (parameter or unit) -> fingerprint."""
 
 
 class StageVote:
@@ -62,12 +61,12 @@ class StageReplicas(Protocol):
     def first_step_after_resume(self) -> contextlib.AbstractContextManager[None]: ...
     def vote(self, device: torch.device) -> StageVote: ...
     def own_grad_sums(self) -> GradSums:
-        """This rank's own pass's gradient fingerprint sums per stage (on the device, unread)."""
+        """This rank's own pass's gradient fingerprint sums, every stage it holds (on the device, unread)."""
     def replay_module(self, i: int) -> torch.nn.Module: ...
     def isolated(self, norms: bool) -> contextlib.AbstractContextManager[None]:
         """Around a replay (``norms``: its gradients' finiteness will be asked for)."""
-    def replay_grad_sums(self, check_finite: bool) -> tuple[GradSums, bool]:
-        """The replay's, and whether its gradients are finite (``check_finite``; else True)."""
+    def replay_grad_sums(self, check_finite: bool) -> tuple[GradSums, list[torch.Tensor]]:
+        """The replay's, and (``check_finite``) a flag per gradient, on the device: whether it is finite."""
     def fingerprint_weights(self, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> WeightCheck | None: ...
     weights_group: dist.ProcessGroup | None
     """Whom check 3 compares this rank's weights with (None: nobody, pure FSDP)."""
@@ -163,7 +162,8 @@ class DdpStages:
                          lambda: _sum([r.rows(device) for r in self.recorders]))
 
     def own_grad_sums(self) -> GradSums:
-        return [(i, indices, sums) for i, r in zip(self.indices, self.recorders) for indices, sums in r.pending_sums()]
+        return [(i, indices, sums) for i, r in zip(self.indices, self.recorders)
+                for indices, sums in r.pending_sums() or [([], _NO_SUMS)]]
 
     def replay_module(self, i: int) -> torch.nn.Module:
         return self.modules[i]  # the bare module: a replay's gradients stay on this rank
@@ -180,7 +180,7 @@ class DdpStages:
             for p, g in zip(params, saved):
                 p.grad = g
 
-    def replay_grad_sums(self, check_finite: bool) -> tuple[GradSums, bool]:
+    def replay_grad_sums(self, check_finite: bool) -> tuple[GradSums, list[torch.Tensor]]:
         out: GradSums = []
         finite: list[torch.Tensor] = []
         for i, params in zip(self.indices, self.params):
@@ -188,7 +188,7 @@ class DdpStages:
             out.append((i, list(range(len(grads))), fingerprint_sums(grads)))
             if check_finite:
                 finite += [torch.isfinite(g).all() for g in grads]
-        return out, _all(finite)
+        return out, finite
 
     def fingerprint_weights(self, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> WeightCheck | None:
         return fingerprint_weights(named_parameters)
@@ -294,9 +294,8 @@ class FsdpStages:
         out: GradSums = []
         for i, recorder in zip(self.indices, self.recorders):
             records = [rec for rec in recorder.records if rec.fp is not None]
-            if records:
-                out.append((i, [pass_key(rec.unit, rec.micro, len(recorder.units)) for rec in records],
-                            torch.stack([rec.fp for rec in records])))
+            out.append((i, [pass_key(rec.unit, rec.micro, len(recorder.units)) for rec in records],
+                        torch.stack([rec.fp for rec in records]) if records else _NO_SUMS))
         return out
 
     def replay_module(self, i: int) -> torch.nn.Module:
@@ -313,19 +312,18 @@ class FsdpStages:
                 stack.enter_context(_no_all_reduce(module))
             yield
 
-    def replay_grad_sums(self, check_finite: bool) -> tuple[GradSums, bool]:
+    def replay_grad_sums(self, check_finite: bool) -> tuple[GradSums, list[torch.Tensor]]:
         from ..sharding.replay import pass_key
         out: GradSums = []
         finite: list[torch.Tensor] = []
         for i, recorder, trace in zip(self.indices, self.recorders, self._traces):
             calls = trace.calls
-            if calls:
-                # the pipeline reduces once per step, after its last backward: micro-batch 0, as in the owner's pass
-                out.append((i, [pass_key(u, m, len(recorder.units)) for u, m, _, _ in calls],
-                            torch.stack([c[2] for c in calls])))
+            # the pipeline reduces once per step, after its last backward: micro-batch 0, as in the owner's pass
+            out.append((i, [pass_key(u, m, len(recorder.units)) for u, m, _, _ in calls],
+                        torch.stack([c[2] for c in calls]) if calls else _NO_SUMS))
             if check_finite:
                 finite += [torch.isfinite(c[3]).all() for c in calls]
-        return out, _all(finite)
+        return out, finite
 
     def fingerprint_weights(self, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> WeightCheck | None:
         from ..sharding.shard_weights import fingerprint_shards
@@ -401,6 +399,4 @@ def _sum(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(parts).sum(0) if len(parts) > 1 else parts[0]
 
 
-def _all(flags: list[torch.Tensor]) -> bool:
-    """Whether every flag holds, in one read to the host (True for none)."""
-    return bool(torch.stack(flags).all()) if flags else True
+_NO_SUMS = torch.zeros((0, 2), dtype=torch.int64)
