@@ -218,7 +218,11 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def gradients_finite(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> bool:
     """This rank's gradients (a DTensor's local shard) are finite, element by element (no collective),
     in one read to the host (not one per parameter: a single-replica job asks every step)."""
-    flags = [torch.isfinite(local_tensor(p.grad)).all() for _, p in named_parameters if p.grad is not None]
+    return all_true([torch.isfinite(local_tensor(p.grad)).all() for _, p in named_parameters if p.grad is not None])
+
+
+def all_true(flags: list[torch.Tensor]) -> bool:
+    """Whether every boolean flag (on any device) holds, in one read to the host; True for none."""
     return bool(torch.stack([f.to(flags[0].device) for f in flags]).all()) if flags else True
 
 

@@ -39,7 +39,8 @@ from ..checks.topology import Topology
 from ..checks.verdict import Verdict
 from ..checks.weights import WeightCheck, weights_verdict
 from ..fingerprint import fingerprint_sums
-from .base import Scale, StepRecord, Vote, answered, everywhere_finite, flag_token, raise_replay_failures, replicas_token
+from .base import (Scale, StepRecord, Vote, all_true, answered, everywhere_finite, flag_token, raise_replay_failures,
+                   replicas_token)
 from .pipeline_stages import StageReplicas, stage_replicas
 from .pipeline_store import PipelineStore
 
@@ -279,8 +280,7 @@ class Pipeline:
             loss_sums = fingerprint_sums([loss.detach() for loss in losses])
             if check_finite:
                 flags += [torch.isfinite(loss).all() for loss in losses]
-            # one read to the host for every flag (True when not asked for)
-            finite = bool(torch.stack([f.to(self.device) for f in flags]).all()) if flags else True
+            finite = all_true(flags)  # True when not asked for
         finally:
             self.replay_log.stop()
             for m, b in zip(self.modules, saved_buffers):

@@ -163,7 +163,7 @@ class DdpStages:
 
     def own_grad_sums(self) -> GradSums:
         return [(i, indices, sums) for i, r in zip(self.indices, self.recorders)
-                for indices, sums in r.pending_sums() or [([], _NO_SUMS)]]
+                for indices, sums in r.pending_sums() or [([], fingerprint_sums([]))]]
 
     def replay_module(self, i: int) -> torch.nn.Module:
         return self.modules[i]  # the bare module: a replay's gradients stay on this rank
@@ -295,7 +295,7 @@ class FsdpStages:
         for i, recorder in zip(self.indices, self.recorders):
             records = [rec for rec in recorder.records if rec.fp is not None]
             out.append((i, [pass_key(rec.unit, rec.micro, len(recorder.units)) for rec in records],
-                        torch.stack([rec.fp for rec in records]) if records else _NO_SUMS))
+                        torch.stack([rec.fp for rec in records]) if records else fingerprint_sums([])))
         return out
 
     def replay_module(self, i: int) -> torch.nn.Module:
@@ -320,7 +320,7 @@ class FsdpStages:
             calls = trace.calls
             # the pipeline reduces once per step, after its last backward: micro-batch 0, as in the owner's pass
             out.append((i, [pass_key(u, m, len(recorder.units)) for u, m, _, _ in calls],
-                        torch.stack([c[2] for c in calls]) if calls else _NO_SUMS))
+                        torch.stack([c[2] for c in calls]) if calls else fingerprint_sums([])))
             if check_finite:
                 finite += [torch.isfinite(c[3]).all() for c in calls]
         return out, finite
@@ -398,5 +398,3 @@ def _stage_layout(module: torch.nn.Module) -> Any:
 def _sum(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(parts).sum(0) if len(parts) > 1 else parts[0]
 
-
-_NO_SUMS = torch.zeros((0, 2), dtype=torch.int64)
