@@ -184,17 +184,39 @@ def cordon(node_name: str, incident_ref: str, job: str, settings: Settings) -> s
     return "cordoned"
 
 
-def announce(node_name: str, incident_ref: str, settings: Settings) -> None:
+def announce(node_name: str, incident_ref: str, settings: Settings) -> bool:
     """What the rest of the cluster sees of a cordon (best effort, never holding containment back):
-    the node condition, and NVSentinel's ExternalFault where enabled (docs/operator.md)."""
+    the node condition, and NVSentinel's ExternalFault where enabled (docs/operator.md). Whether
+    the condition was written."""
     try:
         spec = kube.get_incident(*incident_ref.split("/", 1)).get("spec") or {}
     except Exception as exc:  # noqa: BLE001
         node_condition.log.warning("node %s: incident %s not read, nothing announced: %s", node_name, incident_ref, exc)
-        return
-    node_condition.mark(node_name, incident_ref, spec)
+        return False
+    written = node_condition.mark(node_name, incident_ref, spec)
     if settings.nvsentinel_external_fault:
         nvsentinel.raise_fault(node_name, incident_ref, spec)
+    return written
+
+
+def reannounce(node_name: str, incidents: list[str], settings: Settings) -> bool:
+    """The node condition set again if the cordon's write was lost (it is best effort, and the
+    incident records the cordon whether or not it landed): only for the one of ``incidents`` that
+    holds the node's storm-guard slot, never over a ``False`` cleared for it. One node read; the
+    ledger is read only when the condition is not ``True``. Whether nothing is left to do (the
+    condition is ``True``, or it is not one of ``incidents``' to set); an API error is raised."""
+    try:
+        found = kube.core().read_node(node_name)
+    except Exception as exc:
+        if kube.not_found(exc):
+            return True  # gone, condition and all
+        raise
+    if (node_condition.current(found) or {}).get("status") == "True":
+        return True
+    holder = slot_holder(node_name, settings)
+    if holder not in incidents or node_condition.announced(found, holder):
+        return True
+    return announce(node_name, holder, settings)
 
 
 def release(node_name: str, settings: Settings, keep_cordoned: bool = False,

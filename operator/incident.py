@@ -417,6 +417,44 @@ def needs_work(status: dict[str, Any], **_: Any) -> bool:
     return status.get("phase") in (None, IncidentPhase.CONTAINING) or kube.is_true(status, "StormGuard")
 
 
+def needs_announcing(spec: dict[str, Any], status: dict[str, Any], **_: Any) -> bool:
+    """A node this incident cordoned and could not localize, whose node condition is not yet known
+    to be set (a kopf timer, :func:`announce_held`): with no NodeReplacement, whose timer would set
+    it again, a lost write of the cordon's was never made again."""
+    if any(c.get("type") == "Verified" and c.get("status") == "False" for c in status.get("conditions") or []):
+        return False  # not the operator's: never acted on
+    return status.get("phase") not in (None, IncidentPhase.CONTAINING) and bool(_unannounced(spec, status))
+
+
+def _unannounced(spec: dict[str, Any], status: dict[str, Any]) -> list[str]:
+    """The verified suspects' nodes that ``status.nodes`` records cordoned, not localized, and not
+    yet announced (a status anyone with status rights may write: it only narrows what is tried;
+    which node is announced for whom is the storm-guard ledger's, :func:`contain.reannounce`)."""
+    recorded = status.get("nodes") or {}
+    return [node for node in dict.fromkeys(s.get("node") for s in spec.get("suspects") or [] if s.get("node"))
+            if (state := recorded.get(node) or {}).get("cordoned") and state.get("localizeError")
+            and not state.get("replacement") and not state.get("announced")]
+
+
+def announce_held(body: dict[str, Any], settings: Settings) -> None:
+    """The node condition of each node held for this incident with no NodeReplacement, set again
+    if the cordon's write was lost; recorded (``status.nodes.<node>.announced``) once it is there,
+    so the timer stops. Only an incident the operator created (its seal checked)."""
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    body = kube.get_incident(namespace, name)
+    try:
+        verify(body, settings)
+    except NotVerified:
+        return  # the containment handler marks it
+    ref = f"{namespace}/{name}"
+    for node in _unannounced(body["spec"], body.get("status") or {}):
+        if contain.reannounce(node, [ref], settings):
+            _record(namespace, name, None, "", nodes={node: {"announced": True}}, only_if=_node_unset(node, "announced"))
+        else:
+            raise kopf.TemporaryError(f"node {node}: condition {names.NODE_CONDITION} not set yet for {ref}",
+                                      delay=settings.retry_seconds)
+
+
 def _suspend(namespace: str, name: str, spec: dict[str, Any], status: dict[str, Any], settings: Settings) -> dict[str, Any]:
     if not settings.suspend_jobs or any(c.get("type") == "JobSuspended" for c in status.get("conditions") or []):
         return status

@@ -16,7 +16,9 @@ races the kubelet's own writes. The admission policy lets the operator change th
 nothing else in a node's status (charts/sdcguard/templates/admission-policy.yaml).
 
 Setting it is best effort: the cordon is what contains the fault, and it never waits on this
-write (a restart's cordon pass sets it again, :func:`contain.cordon`). Clearing it is not: a
+write. Whatever holds the node sets it again when it was lost (:func:`contain.reannounce`): a
+restart's cordon pass, the open NodeReplacement's timer, and for a node with no replacement (not
+localized) the incident's own timer. Clearing it is not: a
 ``True`` left on a node sdcguard gave back is a remediation trigger for NodeHealthCheck, so
 :func:`clear` raises and the caller gives the storm-guard slot back only once it succeeded
 (:func:`contain.release`).
@@ -103,15 +105,18 @@ def _patch(node_name: str, status: bool, why: str, text: str, existing: dict[str
     kube.core().patch_node_status(node_name, {"status": {"conditions": [entry(status, why, text, existing, kube.now())]}})
 
 
-def mark(node_name: str, incident_ref: str, spec: dict[str, Any]) -> None:
+def mark(node_name: str, incident_ref: str, spec: dict[str, Any]) -> bool:
     """``True`` on a node sdcguard just cordoned for ``incident_ref`` (``<namespace>/<name>``, whose
-    verified ``spec`` names the job, check, step and suspects)."""
+    verified ``spec`` names the job, check, step and suspects). Whether it was written: an API
+    error is logged, never raised (the callers that hold the node try again)."""
     try:
         existing = current(kube.core().read_node(node_name))
         _patch(node_name, True, reason(str(spec.get("check") or "unknown")), message(incident_ref, spec, node_name),
                existing)
     except Exception as exc:  # noqa: BLE001 - best effort: the cordon contains the fault, not this
         log.warning("node %s: condition %s not set for %s: %s", node_name, names.NODE_CONDITION, incident_ref, exc)
+        return False
+    return True
 
 
 def clear(node_name: str, why: str, text: str, incidents: list[str] | None = None) -> bool:

@@ -17,6 +17,7 @@ records one.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import itertools
 from typing import Any
@@ -112,7 +113,8 @@ def ensure(node: str, where: Location, incident_ref: str, settings: Settings) ->
     """The open NodeReplacement of this node and instance, created (sealed) if needed (never two at
     once), with its target recorded in the status. An object of that name the operator did not
     create (pre-created, perhaps with a decision set) is passed over, never adopted: the next name
-    is tried."""
+    is tried. A 409 to the create with nothing there to read is created again
+    (:func:`kube.read_or_create`), not taken for a replacement that exists."""
     install_seal(settings)
     target = target_of(node, where)
     for n in itertools.count(1):
@@ -120,14 +122,10 @@ def ensure(node: str, where: Location, incident_ref: str, settings: Settings) ->
         body = {"apiVersion": names.API_VERSION, "kind": "NodeReplacement",
                 "metadata": {"name": name, "annotations": {names.SEAL_ANNOTATION: seal(settings, name, target)}},
                 "spec": {**target, "incidents": [incident_ref]}}
-        try:
-            kube.custom().create_cluster_custom_object(names.GROUP, names.VERSION, names.REPLACEMENTS, body)
-            _record_target(name, target)
-            return name
-        except Exception as exc:
-            if not kube.conflict(exc):
-                raise
-        existing = kube.get_replacement(name)
+        existing = kube.read_or_create(
+            f"NodeReplacement {name}", functools.partial(kube.get_replacement, name),
+            functools.partial(kube.custom().create_cluster_custom_object, names.GROUP, names.VERSION,
+                              names.REPLACEMENTS, body))
         status = existing.get("status") or {}
         if not ours(existing, settings):
             metrics.REPLACEMENTS_REFUSED.labels("NotCreatedByOperator").inc()
@@ -136,7 +134,7 @@ def ensure(node: str, where: Location, incident_ref: str, settings: Settings) ->
             continue  # its status was forged: not joined (the next name is tried)
         if spec_target(existing["spec"]) == target and status.get("phase") not in TERMINAL \
                 and status.get("target", target) == target:
-            if not status.get("target"):  # created just before a crash
+            if not status.get("target"):  # created just now, or just before a crash
                 _record_target(name, target)
             incidents = list(existing["spec"].get("incidents") or [])
             if incident_ref not in incidents:
@@ -490,21 +488,12 @@ def _health_check(body: dict[str, Any], status: dict[str, Any], settings: Settin
 
 def _reannounce(body: dict[str, Any], status: dict[str, Any], settings: Settings) -> None:
     """The node condition, set again while the replacement waits if the cordon's write was lost
-    (that write is best effort, and the incident records the cordon whether or not it landed, so
-    no later cordon pass makes it): only for the incident of this replacement that holds the
-    node's slot, and never over a ``False`` cleared for that incident. One node read per pass; the
-    ledger is read only when the condition is not ``True``."""
+    (:func:`contain.reannounce`, for the incidents this replacement serves)."""
     node = status["target"]["nodeName"]
     try:
-        found = kube.core().read_node(node)
-        if (node_condition.current(found) or {}).get("status") == "True":
-            return
-        holder = contain.slot_holder(node, settings)
-        if holder in ((body.get("spec") or {}).get("incidents") or []) and not node_condition.announced(found, holder):
-            contain.announce(node, holder, settings)
+        contain.reannounce(node, (body.get("spec") or {}).get("incidents") or [], settings)
     except Exception as exc:  # noqa: BLE001 - best effort, as the first write was
-        if not kube.not_found(exc):
-            node_condition.log.warning("node %s: condition not checked: %s", node, exc)
+        node_condition.log.warning("node %s: condition not checked: %s", node, exc)
 
 
 def _observe_hyperpod(body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:

@@ -118,6 +118,26 @@ def test_a_409_to_the_create_of_an_incident_that_is_not_there_still_opens_it(wor
 
 @pytest.mark.emulator
 @pytest.mark.operator
+def test_a_409_to_the_create_of_a_node_replacement_that_is_not_there_is_created_again(world):
+    """The same answer to the NodeReplacement's create: read as "it exists", the read that followed
+    met a 404 and containment failed with it ("Handler 'incident_contain' failed with an exception
+    ...: (404)"), to be retried whole by kopf. Now the create is tried again at once, under the
+    same name, and containment does not fail."""
+    ns = "replacement-create-conflict"
+    ids, nodes, pods = start_training(world, ns)
+    path = f"/apis/{names.GROUP}/{names.VERSION}/{names.REPLACEMENTS}"
+    logged = len(world.log())
+    world.kube.reject("POST", path, 409, times=2)
+    world.alarm_event(ns, make_alarm(ns, "llm", check="replay", step=8, suspects=[(1, pods[1], nodes[1])]))
+    world.wait(lambda: phase(world, nodes[1]) == "PendingApproval", what="PendingApproval")
+    assert ("POST", path) not in world.kube.emulator.rejections  # both refusals were used up
+    assert [r["metadata"]["name"] for r in world.replacements() if r["spec"]["nodeName"] == nodes[1]] == [nodes[1]]
+    failed = [line for line in world.log()[logged:].splitlines() if "failed with an exception" in line and "(404)" in line]
+    assert failed == [], failed
+
+
+@pytest.mark.emulator
+@pytest.mark.operator
 def test_an_incident_the_operator_did_not_create_is_never_acted_on(world):
     """Attack (issue 20, 6): anyone who may create SDCIncidents wrote one by hand, naming a node of
     another tenant (and a job in another namespace); the operator reconciled it like its own:

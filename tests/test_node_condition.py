@@ -493,6 +493,7 @@ def test_a_node_that_cannot_be_localized_keeps_the_condition_while_held(world, m
                .get(nodes[1], {}).get("localizeError"), what="NotLocalized")
     world.wait(lambda: (world.incident(ns, "llm-replay-17").get("status") or {}).get("phase") == "Contained",
                what="Contained")
+    world.wait(lambda: announced(world, ns, "llm-replay-17", nodes[1]), what="the condition recorded as set")
     time.sleep(1)
     assert ours(world, nodes[1])["status"] == "True" and world.node_state(nodes[1]) == (True, "true")
     assert [r for r in world.replacements() if (r.get("spec") or {}).get("nodeName") == nodes[1]] == []
@@ -503,6 +504,32 @@ def test_a_node_that_cannot_be_localized_keeps_the_condition_while_held(world, m
     assert (cleared["status"], cleared["reason"]) == ("False", "Released"), dump(cleared)
     assert cleared["message"] == f"given back; incident {ns}/llm-replay-17"
     assert world.node_state(nodes[1]) == (True, None) and slot_of(world, nodes[1]) is None
+
+
+def announced(world, ns: str, incident: str, node: str) -> bool:
+    return bool((((world.incident(ns, incident).get("status") or {}).get("nodes") or {}).get(node) or {}).get("announced"))
+
+
+@pytest.mark.emulator
+@pytest.mark.operator
+def test_a_lost_condition_write_is_made_again_for_a_node_that_cannot_be_localized(world):
+    """A node with no NodeReplacement (not localized) has no replacement timer to set a lost
+    condition again: the incident's own timer does, then records it (and stops). Before, the
+    cordon's one best-effort write was all, and a refusal left the held node without it for good."""
+    ns = "condition-lost-not-localized"
+    ids = [new_instance() for _ in range(2)]
+    nodes = [world.node(ids[0]), world.node(name=f"gpu-{ids[1]}", labelled=False, register=False)]
+    pods = world.training(ns, "llm", nodes)
+    world.kube.reject("PATCH", status_path(nodes[1]), 500, times=2)
+    world.alarm_event(ns, gpu_alarm(ns, "llm", 19, [(1, pods[1], nodes[1], None)], (0, pods[0], nodes[0])))
+    world.wait(lambda: ((world.incident(ns, "llm-replay-19").get("status") or {}).get("nodes") or {})
+               .get(nodes[1], {}).get("localizeError"), what="NotLocalized")
+    world.wait(lambda: announced(world, ns, "llm-replay-19", nodes[1]), what="the condition set by the incident's timer")
+    found = ours(world, nodes[1])
+    assert found["status"] == "True" and found["message"].endswith(f"; incident {ns}/llm-replay-19"), dump(found)
+    assert ("PATCH", status_path(nodes[1])) not in world.kube.emulator.rejections  # both refusals were used up
+    assert world.node_state(nodes[1]) == (True, "true")
+    assert [r for r in world.replacements() if (r.get("spec") or {}).get("nodeName") == nodes[1]] == []
 
 
 # -- HyperPod already acting on the node --------------------------------------------------------------
