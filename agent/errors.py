@@ -50,12 +50,12 @@ class ReplayError(RuntimeError):
     audit's agreement first and vetoes it — so the job stops cleanly instead of hanging. Not in
     itself evidence of silent data corruption: no alarm is published; the step is not applied."""
 
-    def __init__(self, step: int, failures: dict[int, str]) -> None:
+    def __init__(self, step: int, failures: dict[int, str], what: str = "the audit's replay") -> None:
         self.step = step
         self.failures = failures
         """rank -> what went wrong there."""
         where = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failures.items()))
-        super().__init__(f"sdcguard: the audit's replay failed at step {step} ({where}); the step was not applied")
+        super().__init__(f"sdcguard: {what} failed at step {step} ({where}); the step was not applied")
 
 
 class ConfigurationError(ValueError):

@@ -29,7 +29,8 @@ from .checks.verdict import Verdict
 from .checks.weights import WeightCheck
 from .contract.stats import CheckStats
 from .errors import ReplayError
-from .layouts.base import Layout, Scale, StepRecord, Vote, gradients_finite, local_tensor, raise_replay_failures
+from .checks.replay_failures import raise_replay_failures
+from .layouts.base import Layout, Scale, StepRecord, Vote, gradients_finite, local_tensor
 
 log = logging.getLogger("sdcguard")
 
@@ -165,7 +166,7 @@ class Verifier:
             verdict = judge_nonfinite(norms)  # 1b, or an overflowed sum of finite norms
             return Outcome(self.layout.annotate(verdict)) if verdict is not None else None
         started = time.perf_counter()
-        confirmation = self.layout.confirm_nonfinite(bad, s.payload, scale)
+        confirmation = self.layout.confirm_nonfinite(s.step, bad, s.payload, scale)
         self.stats.timed("replay", started)
         if confirmation.verdict is not None:
             return Outcome(confirmation.verdict)

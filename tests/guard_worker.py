@@ -10,6 +10,10 @@ Six scenarios share one launch, each writing what it saw to OUT/<scenario>-rank<
              ranks: check 1 carries square roots, so nothing overflows (no alarm, step applied);
   replay_fails  rank 1's loss_fn raises while it replays rank 2's batch: every rank raises the
              same ReplayError (none hangs in the audit's agreement), and the step is not applied;
+  confirmation_fails  the same in the replay that confirms rank 2's non-finite gradient (no
+             audit): the same ReplayError everywhere, none left in the confirmation's gather;
+  tiebreak_fails  rank 2's gradient corrupted, and the third opinion's replay (rank 0) fails: the
+             alarm names both ranks of the pair (ambiguous), none left in the tie-break's broadcast;
   exchange   the agreement all-reduce (equal digests, one differing, one veto, digests that differ
              only past the bits it compares) and the ring transfer with its note;
   step_api   the user's own loop through guard.step (weight= accumulation, clipping, a scheduler,
@@ -221,6 +225,47 @@ def replay_fails(rank, out):
     return seen
 
 
+def confirmation_fails(rank, out):
+    model = Scaled()
+    ddp = DistributedDataParallel(model)
+
+    def loss_fn(module, c):
+        if sdcguard.replaying() and rank == 1:
+            raise RuntimeError("out of memory (simulated)")
+        return module(c)
+
+    guard = sdcguard.Guard(ddp, torch.optim.SGD(model.parameters(), lr=0.5), loss_fn,
+                           config=Config(audit_every=0, weight_check_every=0))
+    try:  # rank 2's gradient is Inf; rank 1, its replayer, fails to replay the batch
+        guard.train_step(0, torch.full((4,), float("inf") if rank == 2 else 1.0, dtype=torch.float64))
+        return "ok"
+    except sdcguard.ReplayError as exc:
+        return {"failures": exc.failures, "step": exc.step, "applied": bool((model.w != 0).any()),
+                "confirmation": "confirmation" in str(exc)}
+
+
+def tiebreak_fails(rank, out):
+    model = Scaled()
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    injector = FaultInjector([parse_fault("grad-bitflip:rank=2:step=0", 3)], rank)
+    injector.install(model, opt, param="w")
+
+    def loss_fn(module, c):
+        if sdcguard.replaying() and rank == 0 and float(c[0]) == 3.0:
+            raise RuntimeError("out of memory (simulated)")  # rank 0 replaying rank 2's batch: the tie-break
+        return module(c)
+
+    guard = sdcguard.Guard(ddp, opt, loss_fn, config=Config(audit_every=1, weight_check_every=0, ranks_per_node=1))
+    injector.begin_step(0)
+    try:  # rank 2's own gradient is corrupted: ranks 1 (its replayer) and 2 disagree; 0 breaks the tie
+        guard.train_step(0, torch.full((4,), rank + 1.0, dtype=torch.float64))
+        return "no alarm"
+    except sdcguard.SDCDetected as exc:
+        return {"suspects": sorted(s["rank"] for s in exc.alarm["suspects"]), "ambiguous": exc.alarm["ambiguous"],
+                "tiebreaks": exc.alarm["evidence"].get("tiebreaks"), "applied": bool((model.w != 0).any())}
+
+
 def exchange(rank, out):
     from sdcguard.checks.exchange import agree, ring_post, serialize
 
@@ -388,7 +433,8 @@ def main(out):
     torch.set_num_threads(1)
     rank = dist.get_rank()
     for name, scenario in (("clean", clean), ("scaler", scaler), ("threads", threads), ("huge", huge),
-                           ("replay_fails", replay_fails), ("exchange", exchange), ("step_api", step_api),
+                           ("replay_fails", replay_fails), ("confirmation_fails", confirmation_fails),
+                           ("tiebreak_fails", tiebreak_fails), ("exchange", exchange), ("step_api", step_api),
                            ("data_inf", data_inf), ("compiled", compiled), ("checksum", checksum)):
         result = scenario(rank, out)
         with open(os.path.join(out, f"{name}-rank{rank}.json"), "w") as fh:

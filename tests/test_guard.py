@@ -144,6 +144,25 @@ def test_a_replay_that_raises_on_one_rank_stops_every_rank_without_hanging(run):
         assert r["1"] == {"failures": {"1": "RuntimeError: out of memory (simulated)"}, "step": 1, "applied": False}
 
 
+def test_a_confirmation_replay_that_raises_on_one_rank_stops_every_rank_without_hanging(run):
+    # The replay that confirms a non-finite gradient (every GradScaler overflow runs one) fails on
+    # rank 1 only: before, rank 1 left with its exception and ranks 0 and 2 waited in the
+    # confirmation's gather until the process group's timeout.
+    _, result = run
+    for r in result("confirmation_fails"):
+        assert r == {"failures": {"1": "RuntimeError: out of memory (simulated)"}, "step": 0, "applied": False,
+                     "confirmation": True}, r
+
+
+def test_a_tiebreak_replay_that_raises_leaves_both_ranks_suspect_without_hanging(run):
+    # Before, rank 0 left with its exception and ranks 1 and 2 waited in the third opinion's broadcast.
+    _, result = run
+    for r in result("tiebreak_fails"):
+        assert isinstance(r, dict), r
+        assert (r["suspects"], r["ambiguous"], r["applied"]) == ([1, 2], True, False), r
+        assert [(t["replayer"], t["owner"], t["third"], t["agrees_with"]) for t in r["tiebreaks"]] == [(1, 2, 0, "neither")], r
+
+
 def test_the_users_own_loop_is_bitwise_the_plain_ddp_loop(run):
     # guard.step with weight= accumulation, clip_grad_norm_ and a scheduler kept in the user's code,
     # audits and weight checks on every step: parameters, buffers, .grad and optimizer state equal

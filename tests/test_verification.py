@@ -52,7 +52,7 @@ class FixedLayout:
         self.calls.append("reduced_gradients_finite")
         return False
 
-    def confirm_nonfinite(self, bad, payload, scale):
+    def confirm_nonfinite(self, step, bad, payload, scale):
         self.calls.append("confirm_nonfinite")
         return Confirmation(reproduced={0: 0}, verdict=None)
 

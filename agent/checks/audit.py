@@ -10,6 +10,7 @@ the tie-breaks they ask for.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -19,10 +20,17 @@ import torch.distributed as dist
 
 from ..contract.alarm import CHECK_NONFINITE_LOCAL, CHECK_REPLAY
 from .attribution import NEITHER, Attribution, attribute, mismatching_pairs, settle, suspects_after
-from .exchange import Incoming, broadcast_digest, gather_objects, gather_tensor, ring_exchange, ring_post
+from .exchange import DIGEST_BYTES, Incoming, broadcast_digest, gather_objects, gather_tensor, ring_exchange, ring_post, serialize
 from .replay import PassResult, Payload, replay
+from .replay_failures import CONFIRMATION, raise_replay_failures
 from .topology import Topology
 from .verdict import Verdict, parameter_summary
+
+log = logging.getLogger("sdcguard")
+
+_FAILED = -2.0
+"""A confirmation row's second value when this rank's replay failed (-1: finite, k >= 0: the
+first non-finite micro-batch)."""
 
 
 @dataclass(slots=True)
@@ -76,31 +84,45 @@ class Replayer:
 
     def _tiebreak(self, owner: int, third: int, payload: Payload,
                   scale: Callable[[torch.Tensor], torch.Tensor] | None) -> bytes:
-        """``third`` replays ``owner``'s batch; everyone learns the digest it got."""
+        """``third`` replays ``owner``'s batch; everyone learns the digest it got. A third replay
+        that fails tells no digest (zeros, which settle for neither: both stay suspect), rather
+        than leaving everyone in the broadcast."""
         me = self.topology.rank
         theirs = ring_exchange(payload if me == owner else None, send_to=third if me == owner else None,
                                recv_from=owner if me == third else None, device=self.device, group=self.group)
-        digest = self.run(theirs, scale).digest() if me == third else None
+        digest = None
+        if me == third:
+            try:
+                digest = self.run(theirs, scale).digest()
+            except Exception:  # noqa: BLE001 - the others wait for this rank's answer
+                log.exception("sdcguard: the tie-break replay of rank %d's batch failed; both ranks stay suspect", owner)
         return broadcast_digest(digest, third, self.device, self.group)
 
     # -- non-finite confirmation -----------------------------------------------------------------
 
-    def confirm_nonfinite(self, bad: list[int], payload: Payload,
+    def confirm_nonfinite(self, step: int, bad: list[int], payload: Payload,
                           scale: Callable[[torch.Tensor], torch.Tensor] | None) -> Confirmation:
         """Replay each rank's batch whose local gradient was not finite on another node (all at
         once): a NaN/Inf that reproduces comes from the data, the model or an honest GradScaler
-        overflow; one that does not is silent data corruption. Every rank gets the same answer."""
+        overflow; one that does not is silent data corruption. Every rank gets the same answer,
+        or the same ReplayError when a replay failed somewhere (its row in the gather says so)."""
         topo, me = self.topology, self.topology.rank
         target = topo.replay_target(me)
-        theirs = ring_exchange(payload if me in bad else None,
-                               send_to=topo.replayer_of(me) if me in bad else None,
-                               recv_from=target if target in bad else None,
-                               device=self.device, group=self.group)
-        result = self.run(theirs, scale, with_norm=True) if theirs is not None else None
-        row = [0.0, -1.0] if result is None else [
+        incoming = ring_post(serialize(payload) if me in bad else None, bytes(DIGEST_BYTES),
+                             send_to=topo.replayer_of(me) if me in bad else None,
+                             recv_from=target if target in bad else None, device=self.device, group=self.group)
+        result, failure = None, None
+        try:
+            theirs = incoming.receive()
+            result = self.run(theirs, scale, with_norm=True) if theirs is not None else None
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            failure = exc
+        row = [0.0, _FAILED if failure is not None else -1.0] if result is None else [
             result.grad_sq_norm, -1.0 if result.nonfinite_micro is None else float(result.nonfinite_micro)]
-        parts = gather_tensor(torch.tensor(row, dtype=torch.float64, device=self.device), self.group, "norms")
-        replayed = {b: parts[topo.replayer_of(b)].tolist() for b in bad}
+        rows = gather_tensor(torch.tensor(row, dtype=torch.float64, device=self.device), self.group, "norms").tolist()
+        if any(r[1] == _FAILED for r in rows):
+            raise_replay_failures(step, failure, self.group, self.device, CONFIRMATION)
+        replayed = {b: rows[topo.replayer_of(b)] for b in bad}
         return judge_confirmation(bad, {b: (v[0], None if v[1] < 0 else int(v[1])) for b, v in replayed.items()},
                                   {b: topo.replayer_of(b) for b in bad})
 

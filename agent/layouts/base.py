@@ -18,14 +18,13 @@ import torch
 import torch.distributed as dist
 
 from ..checks.audit import Confirmation
-from ..checks.exchange import Incoming, agreed, gather_objects, start_agreement, wait
+from ..checks.exchange import Incoming, agreed, start_agreement, wait
 from ..checks.reduce_checksum import Shape
 from ..checks.replay import PassResult, Payload
 from ..checks.topology import Topology
 from ..checks.verdict import Verdict
 from ..checks.weights import WeightCheck
 from ..fingerprint import Fingerprint, to_fingerprints
-from ..errors import ReplayError
 
 Scale = Callable[[torch.Tensor], torch.Tensor] | None
 """An enabled GradScaler's ``scale``: a replay scales its loss the same way."""
@@ -125,8 +124,9 @@ class Layout(Protocol):
     def reduced_gradients_finite(self) -> bool:
         """Collective: every rank's reduced gradients are finite, element by element."""
 
-    def confirm_nonfinite(self, bad: list[int], payload: Payload, scale: Scale) -> Confirmation:
-        """Collective: replay the non-finite ranks' batches on other nodes."""
+    def confirm_nonfinite(self, step: int, bad: list[int], payload: Payload, scale: Scale) -> Confirmation:
+        """Collective: replay the non-finite ranks' batches on other nodes (a replay that fails
+        anywhere is a ReplayError on every rank, :mod:`..checks.replay_failures`)."""
 
     def localize_checksum(self, verdict: Verdict, vote: Vote) -> Verdict:
         """Collective: a check 4 verdict with what can be said of where the reduction went wrong."""
@@ -232,13 +232,3 @@ def everywhere_finite(named_parameters: list[tuple[str, torch.nn.Parameter]], de
     flag = torch.tensor([1.0 if gradients_finite(named_parameters) else 0.0], dtype=torch.float64, device=device)
     wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True))
     return bool(flag.item() == 1.0)
-
-
-def raise_replay_failures(step: int, failure: Exception | None, group: dist.ProcessGroup | None,
-                          device: torch.device) -> None:
-    """Collective: every rank learns which ranks' replays failed and raises the same ReplayError;
-    returns when none did."""
-    said = gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}", group, device)
-    failures = {rank: msg for rank, msg in enumerate(said) if msg is not None}
-    if failures:
-        raise ReplayError(step, failures) from failure

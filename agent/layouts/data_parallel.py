@@ -83,8 +83,8 @@ class DataParallel:
     def reduced_gradients_finite(self) -> bool:
         return everywhere_finite(self.named_parameters, self.device, self.group)
 
-    def confirm_nonfinite(self, bad: list[int], payload: Payload, scale: Scale) -> Confirmation:
-        return self.replayer.confirm_nonfinite(bad, payload, scale)
+    def confirm_nonfinite(self, step: int, bad: list[int], payload: Payload, scale: Scale) -> Confirmation:
+        return self.replayer.confirm_nonfinite(step, bad, payload, scale)
 
     def localize_checksum(self, verdict: Verdict, vote: Vote) -> Verdict:
         return verdict  # one all-reduce of every rank: no rank or group can be named

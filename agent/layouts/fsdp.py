@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 
 from ..checks.audit import Confirmation
-from ..checks.exchange import DIGEST_BYTES, Incoming, agree
+from ..checks.exchange import Incoming
 from ..checks.nonfinite import gather_norms
 from ..checks.replay import PassResult, Payload
+from ..checks.replay_failures import received_everywhere
 from ..checks.topology import Topology
 from ..checks.verdict import Verdict
 from ..checks.weights import WeightCheck
@@ -28,7 +29,7 @@ from ..sharding.reduction_check import VoteCoefficients, localize_checksum, step
 from ..sharding.replay import ShardedReplayer, labels, own_pass
 from ..sharding.shard_weights import fingerprint_shards, mesh_evidence, replicas_agree, shard_weights_verdict
 from ..sharding.update_check import UpdateCheck
-from .base import Scale, StepRecord, Vote, answered, everywhere_finite, flag_token, raise_replay_failures, replicas_token
+from .base import Scale, StepRecord, Vote, answered, everywhere_finite, flag_token, replicas_token
 from .stores import DcpStore
 
 log = logging.getLogger("sdcguard")
@@ -124,8 +125,8 @@ class Sharded:
     def reduced_gradients_finite(self) -> bool:
         return everywhere_finite(self.named_parameters, self.device, None)
 
-    def confirm_nonfinite(self, bad: list[int], payload: Payload, scale: Scale) -> Confirmation:
-        confirmation = self.replayer.confirm_nonfinite(bad, payload, scale)
+    def confirm_nonfinite(self, step: int, bad: list[int], payload: Payload, scale: Scale) -> Confirmation:
+        confirmation = self.replayer.confirm_nonfinite(step, bad, payload, scale)
         if confirmation.verdict is None:
             return confirmation
         return Confirmation(confirmation.reproduced, self.annotate(confirmation.verdict))
@@ -148,14 +149,8 @@ class Sharded:
         """A replay is collective (the forward and backward all-gather each unit): every rank first
         agrees that each holds its batch — one missing would leave the others in an all-gather — and a
         failure to receive is a ReplayError on every rank."""
-        received, failure = None, None
-        try:
-            received = incoming.receive()
-        except Exception as exc:  # noqa: BLE001 - raised on every rank below
-            log.exception("sdcguard: receiving rank %d's batch failed", self.topology.replay_target(self.topology.rank))
-            failure = exc
-        if not agree(bytes(DIGEST_BYTES), self.device, None, veto=failure is not None):
-            raise_replay_failures(step, failure, None, self.device)
+        received = received_everywhere(step, lambda: Payload.from_wire(incoming.receive()),
+                                       self.topology.replay_target(self.topology.rank), self.device, None)
         return self.replayer.run(received, scale), None
 
     def replay_verdict(self, own: PassResult, replayed: PassResult | None, digests: list[list[bytes]],

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import math
 from typing import Any, Callable, Iterator
 
@@ -30,21 +29,20 @@ import torch.distributed as dist
 
 from ..checks.audit import Confirmation, judge_confirmation
 from ..checks.commhook import ReduceHook
-from ..checks.exchange import DIGEST_BYTES, Incoming, agree, gather_digests, gather_objects, gather_tensor, ring_exchange, ring_post
+from ..checks.exchange import (DIGEST_BYTES, Incoming, agree, gather_digests, gather_objects, gather_tensor, ring_post,
+                               serialize)
 from ..checks.pipeline import BoundaryLog, Grid, StagePass, judge_pipeline_replays, read_grid, ring_shift, ring_target
 from ..checks.reduce_checksum import Shape
 from ..checks.replay import Payload, load_buffers, replay_mode, snapshot_buffers
+from ..checks.replay_failures import CONFIRMATION, received_everywhere
 from ..checks.rng import forward_seed, seeded
 from ..checks.topology import Topology
 from ..checks.verdict import Verdict
 from ..checks.weights import WeightCheck, weights_verdict
 from ..fingerprint import fingerprint_sums
-from .base import (Scale, StepRecord, Vote, all_true, answered, everywhere_finite, flag_token, raise_replay_failures,
-                   replicas_token)
+from .base import Scale, StepRecord, Vote, all_true, answered, everywhere_finite, flag_token, replicas_token
 from .pipeline_stages import StageReplicas, stage_replicas
 from .pipeline_store import PipelineStore
-
-log = logging.getLogger("sdcguard")
 
 
 def is_schedule(model: Any) -> bool:
@@ -192,12 +190,15 @@ class Pipeline:
     def reduced_gradients_finite(self) -> bool:
         return everywhere_finite(self.named_parameters, self.device, None)
 
-    def confirm_nonfinite(self, bad: list[int], payload: Payload, scale: Scale) -> Confirmation:
-        """Every replica replays the batch of the replica ahead (a pipeline replays together)."""
+    def confirm_nonfinite(self, step: int, bad: list[int], payload: Payload, scale: Scale) -> Confirmation:
+        """Every replica replays the batch of the replica ahead (a pipeline replays together, once
+        every rank holds its batch)."""
         topo, me = self.topology, self.topology.rank
-        theirs = ring_exchange(payload, send_to=topo.replayer_of(me), recv_from=topo.replay_target(me),
-                               device=self.device, group=None)
-        result, finite = self._replay(Payload.from_wire(theirs), check_finite=True)
+        incoming = ring_post(serialize(payload), bytes(DIGEST_BYTES), send_to=topo.replayer_of(me),
+                             recv_from=topo.replay_target(me), device=self.device, group=None)
+        received = received_everywhere(step, lambda: Payload.from_wire(incoming.receive()), topo.replay_target(me),
+                                       self.device, None, CONFIRMATION)
+        result, finite = self._replay(received, check_finite=True)
         row = torch.tensor([0.0 if finite else math.inf, -1.0], dtype=torch.float64, device=self.device)
         parts = gather_tensor(row, None, "norms")
         replayed = {b: (parts[topo.replayer_of(b)][0].item(), None) for b in bad}
@@ -240,14 +241,8 @@ class Pipeline:
     def replay(self, step: int, incoming: Incoming, scale: Scale) -> tuple[StagePass | None, Exception | None]:
         """Collective across each replica's pipeline: every rank first agrees that each holds its
         batch (one missing would leave its pipeline waiting)."""
-        received, failure = None, None
-        try:
-            received = Payload.from_wire(incoming.receive())
-        except Exception as exc:  # noqa: BLE001 - raised on every rank below
-            log.exception("sdcguard: receiving rank %d's batch failed", self.topology.replay_target(self.topology.rank))
-            failure = exc
-        if not agree(bytes(DIGEST_BYTES), self.device, None, veto=failure is not None):
-            raise_replay_failures(step, failure, None, self.device)
+        received = received_everywhere(step, lambda: Payload.from_wire(incoming.receive()),
+                                       self.topology.replay_target(self.topology.rank), self.device, None)
         result, _ = self._replay(received)
         return result, None
 

@@ -78,7 +78,7 @@ class SingleProcess:
     def reduced_gradients_finite(self) -> bool:
         raise _no_peers()
 
-    def confirm_nonfinite(self, bad: list[int], payload: Payload, scale: Scale) -> Confirmation:
+    def confirm_nonfinite(self, step: int, bad: list[int], payload: Payload, scale: Scale) -> Confirmation:
         raise _no_peers()
 
     def localize_checksum(self, verdict: Verdict, vote: Vote) -> Verdict:

@@ -44,8 +44,9 @@ import torch
 import torch.distributed as dist
 
 from ..checks.audit import Confirmation, Replayer, judge_confirmation
-from ..checks.exchange import _from_bytes, broadcast_digest, gather_tensor, ring_exchange, serialize, wait
+from ..checks.exchange import DIGEST_BYTES, _from_bytes, broadcast_digest, gather_tensor, ring_post, serialize, wait
 from ..checks.replay import PassResult, Payload, _replay_mode, load_buffers, snapshot_buffers
+from ..checks.replay_failures import CONFIRMATION, received_everywhere
 from ..checks.rng import forward_seed, seeded
 from ..fingerprint import fingerprint_sums, to_fingerprints, to_fingerprints_together
 from .reduce_record import Reduction, ReplayTrace, ShardedRecorder
@@ -176,12 +177,15 @@ class ShardedReplayer(Replayer):
         digest = self.run(theirs, scale).digest()
         return broadcast_digest(digest if me == third else None, third, self.device, None)
 
-    def confirm_nonfinite(self, bad: list[int], payload: Payload, scale: Scale) -> Confirmation:
+    def confirm_nonfinite(self, step: int, bad: list[int], payload: Payload, scale: Scale) -> Confirmation:
         """As DDP's (``Replayer.confirm_nonfinite``), but every rank replays its ring target's
-        batch at once (a replay is collective); only the non-finite ranks' replays are read."""
+        batch at once (a replay is collective, started once every rank holds its batch); only the
+        non-finite ranks' replays are read."""
         topo, me = self.topology, self.topology.rank
-        theirs = ring_exchange(payload, send_to=topo.replayer_of(me), recv_from=topo.replay_target(me),
-                               device=self.device, group=None)
+        incoming = ring_post(serialize(payload), bytes(DIGEST_BYTES), send_to=topo.replayer_of(me),
+                             recv_from=topo.replay_target(me), device=self.device, group=None)
+        theirs = received_everywhere(step, lambda: Payload.from_wire(incoming.receive()), topo.replay_target(me),
+                                     self.device, None, CONFIRMATION)
         result = self.run(theirs, scale, with_norm=True)
         row = [result.grad_sq_norm or 0.0, -1.0 if result.nonfinite_micro is None else float(result.nonfinite_micro)]
         parts = gather_tensor(torch.tensor(row, dtype=torch.float64, device=self.device), None, "norms")
