@@ -90,7 +90,9 @@ def ensure(job: Mapping[str, Any], settings: Settings, logger: logging.Logger | 
                 {"metadata": {"ownerReferences": body["metadata"]["ownerReferences"],
                               "labels": body["metadata"]["labels"]}, "data": body["data"]})
         except Exception as exc:
-            if kube.not_found(exc):  # the 409 was not "AlreadyExists" (an overloaded API server's): create again
+            if kube.not_found(exc) or kube.conflict(exc):
+                # 404: the create's 409 was not "AlreadyExists" (an overloaded API server's); 409 to
+                # an unconditional patch: the same server's answer. Neither says the Secret is foreign.
                 kube.pause_before_retry()
                 continue
             if kube.transient(exc) or not hasattr(exc, "status"):

@@ -146,6 +146,26 @@ def slot_holder(node_name: str, settings: Settings) -> str | None:
     return None if value is None else value.partition(" job=")[0]
 
 
+def give_back_uncordoned(node_name: str, incident_ref: str, settings: Settings) -> bool:
+    """Give back the slot ``incident_ref`` took for a node it did not cordon: the cordon's write
+    failed after the slot was taken, and by the next pass the node is gone or refused (its job
+    suspended, another tenant's pod landed on it). Held, it would count against the storm guard
+    for good, with no NodeReplacement to release it by. Whether a slot was given back; a node
+    that carries the suspect label keeps its slot (it is cordoned: :func:`release` frees it)."""
+    if slot_holder(node_name, settings) != incident_ref:
+        return False
+    try:
+        node = kube.core().read_node(node_name)
+    except Exception as exc:
+        if not kube.not_found(exc):
+            raise
+    else:
+        if (node.metadata.labels or {}).get(names.SUSPECT_LABEL) == "true":
+            return False
+    _give_slot(node_name, settings)
+    return True
+
+
 def _give_slot(node_name: str, settings: Settings) -> None:
     """Remove the node's slot (a merge patch deleting one key: no precondition needed)."""
     namespace = ledger_namespace(settings)

@@ -439,7 +439,8 @@ def _unannounced(spec: dict[str, Any], status: dict[str, Any]) -> list[str]:
 def announce_held(body: dict[str, Any], settings: Settings) -> None:
     """The node condition of each node held for this incident with no NodeReplacement, set again
     if the cordon's write was lost; recorded (``status.nodes.<node>.announced``) once it is there,
-    so the timer stops. Only an incident the operator created (its seal checked)."""
+    or is no longer this incident's to set (the slot given back), so the timer stops. Only an
+    incident the operator created (its seal checked)."""
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     body = kube.get_incident(namespace, name)
     try:
@@ -481,6 +482,7 @@ def _cordon_all(namespace: str, name: str, ref: str, spec: dict[str, Any], statu
             continue
         problem = _verify_suspect(spec, status, node, settings)
         if problem:
+            contain.give_back_uncordoned(node, ref, settings)
             _record(namespace, name, "SuspectRefused", f"{node} is not cordoned: {problem}",
                     nodes={node: {"refused": problem[:500]}}, only_if=_node_unset(node, "refused"))
             continue
@@ -491,6 +493,7 @@ def _cordon_all(namespace: str, name: str, ref: str, spec: dict[str, Any], statu
                         "tenant's alarm does not take a shared node out of service. A person decides (cordon it "
                         "yourself, or set SDCGUARD_ALLOW_SHARED_NODES on a single-tenant cluster)")
                 metrics.INCIDENTS_REFUSED.labels("SharedNode").inc()
+                contain.give_back_uncordoned(node, ref, settings)
                 _record(namespace, name, "SharedNode", text, nodes={node: {"refused": "SharedNode"}},
                         only_if=_node_unset(node, "refused"),
                         conditions=[kube.condition("SharedNode", True, "OtherNamespaces", text)])
@@ -499,8 +502,7 @@ def _cordon_all(namespace: str, name: str, ref: str, spec: dict[str, Any], statu
         if outcome.startswith("Max"):
             held.append((node, outcome))
         elif outcome == "missing":
-            _record(namespace, name, "NodeMissing", f"node {node} no longer exists", nodes={node: {"missing": True}},
-                    only_if=_node_unset(node, "missing"))
+            _missing(namespace, name, ref, node, settings)
         else:
             text = f"cordoned and labelled {names.SUSPECT_LABEL}=true" if outcome == "cordoned" else \
                 "already cordoned as suspect by another incident"
@@ -519,12 +521,21 @@ def _open_replacements(namespace: str, name: str, ref: str, spec: dict[str, Any]
     recorded = status.get("nodes") or {}
     for node in dict.fromkeys(s["node"] for s in spec["suspects"] if s.get("node")):
         state = recorded.get(node) or {}
-        if state.get("replacement") or state.get("localizeError"):
+        if state.get("replacement") or state.get("localizeError") or state.get("missing") or state.get("refused"):
             continue
         if contain.slot_holder(node, settings) != ref:
             continue  # not cordoned by sdcguard for this incident (held back, refused, or another incident's)
         try:
-            found = localize.localize(kube.core().read_node(node), settings)
+            found_node = kube.core().read_node(node)
+        except Exception as exc:
+            if not kube.not_found(exc):
+                raise
+            _missing(namespace, name, ref, node, settings)  # gone since its slot was taken
+            continue
+        if (found_node.metadata.labels or {}).get(names.SUSPECT_LABEL) != "true":
+            continue  # the slot was taken, the cordon did not land: the next cordon pass makes it
+        try:
+            found = localize.localize(found_node, settings)
         except localize.NotLocalized as exc:
             _record(namespace, name, "NotLocalized", str(exc), nodes={node: {"localizeError": str(exc)}})
             continue
@@ -540,6 +551,38 @@ def _open_replacements(namespace: str, name: str, ref: str, spec: dict[str, Any]
                 nodes={node: {"instanceId": found.instance_id, "cluster": found.cluster,
                               "instanceGroup": found.instance_group, "replacement": replacement_name}},
                 replacements={replacement_name: "Opened"}, only_if=_node_unset(node, "replacement"))
+
+
+def _missing(namespace: str, name: str, ref: str, node: str, settings: Settings) -> None:
+    """A suspect node that no longer exists: recorded, and a slot this incident holds for it given
+    back (nothing else would: no NodeReplacement is opened for a node that is not there)."""
+    contain.give_back_uncordoned(node, ref, settings)
+    _record(namespace, name, "NodeMissing", f"node {node} no longer exists", nodes={node: {"missing": True}},
+            only_if=_node_unset(node, "missing"))
+
+
+RESYNC_POLLS = 20
+"""How many of ``SDCGUARD_POLL_SECONDS`` between two re-reads of a waiting incident's replacements."""
+
+
+def awaits_replacements(status: dict[str, Any], **_: Any) -> bool:
+    """An incident waiting for its NodeReplacements (a kopf timer, :func:`follow_replacements`):
+    their phases reach it from a watch event whose handler kopf does not retry, so a failed write
+    there would leave it waiting for good."""
+    if any(c.get("type") == "Verified" and c.get("status") == "False" for c in status.get("conditions") or []):
+        return False  # not the operator's: never acted on
+    return status.get("phase") == IncidentPhase.AWAITING_APPROVAL
+
+
+def follow_replacements(body: dict[str, Any], settings: Settings) -> None:
+    """Take each NodeReplacement's phase into the incident again (:func:`sync`); only an incident
+    the operator created (its seal checked)."""
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    try:
+        verify(kube.get_incident(namespace, name), settings)
+    except NotVerified:
+        return  # the containment handler marks it
+    sync(f"{namespace}/{name}")
 
 
 def note(ref: str, event: str, message: str, replacement_name: str, phase: str, denied_healthy: bool = False) -> None:

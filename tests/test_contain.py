@@ -114,3 +114,64 @@ def test_storm_guard_limits_per_job_and_per_namespace_beside_the_cluster_wide_on
     assert contain.full(taken, "b", "x", s) == "MaxConcurrentSuspectNodes"
     defaults = Settings.from_env({"SDCGUARD_MAX_CONCURRENT_SUSPECT_NODES": "7"})
     assert (defaults.max_suspect_nodes_per_job, defaults.max_suspect_nodes_per_namespace) == (7, 7)
+
+
+def slot_of(world, node: str) -> str | None:
+    """The node's storm-guard slot, as the operator's ledger holds it."""
+    settings = Settings.from_env(world.operator_env)
+    ledger = world.core.read_namespaced_config_map(contain.LEDGER, contain.ledger_namespace(settings))
+    return (ledger.data or {}).get(node)
+
+
+def node_path(node: str) -> str:
+    return f"/api/v1/nodes/{node}"
+
+
+@pytest.mark.emulator
+@pytest.mark.operator
+def test_a_node_gone_after_its_slot_was_taken_gives_the_slot_back(world):
+    """The slot is taken, the cordon's write refused, and the node leaves the cluster before the
+    next pass (HyperPod replacing it itself). Before, the next pass recorded it missing and then
+    read it again to localize it: a 404 on every retry, the incident Containing for good and the
+    slot (one of two, by default) held with nothing to release it."""
+    ns = "gone-after-slot"
+    ids, nodes, pods = start_training(world, ns, n_nodes=2)
+    world.kube.reject("PATCH", node_path(nodes[1]), 500)
+    try:
+        world.alarm_event(ns, make_alarm(ns, "llm", check="replay", step=31, suspects=[(1, pods[1], nodes[1])],
+                                         reporter=(0, pods[0], nodes[0])))
+        world.wait(lambda: slot_of(world, nodes[1]), what="the slot taken")
+        world.core.delete_node(nodes[1])
+    finally:
+        world.kube.reject("PATCH", node_path(nodes[1]), 500, times=0)
+    world.wait(lambda: (world.incident(ns, "llm-replay-31").get("status") or {}).get("phase") == "Contained",
+               what="Contained")
+    status = world.incident(ns, "llm-replay-31")["status"]
+    assert status["nodes"][nodes[1]].get("missing") is True and not status["nodes"][nodes[1]].get("replacement")
+    assert slot_of(world, nodes[1]) is None
+
+
+@pytest.mark.emulator
+@pytest.mark.operator
+def test_a_node_refused_after_a_failed_cordon_gives_the_slot_back_and_gets_no_replacement(world):
+    """The slot is taken, the cordon's write refused; the suspended job's pods are gone and another
+    tenant's pod lands on the node before the next pass, which refuses it (SharedNode). Before,
+    the slot, still this incident's, opened a NodeReplacement (a health check, perhaps a
+    replacement) of a node running another tenant's pods."""
+    ns, other = "refused-after-slot", "refused-after-slot-other"
+    ids, nodes, pods = start_training(world, ns, n_nodes=2)
+    world.kube.reject("PATCH", node_path(nodes[1]), 500)
+    try:
+        world.alarm_event(ns, make_alarm(ns, "llm", check="replay", step=32, suspects=[(1, pods[1], nodes[1])],
+                                         reporter=(0, pods[0], nodes[0])))
+        world.wait(lambda: slot_of(world, nodes[1]), what="the slot taken")
+        world.training(other, "web", [nodes[1]])
+    finally:
+        world.kube.reject("PATCH", node_path(nodes[1]), 500, times=0)
+    world.wait(lambda: (world.incident(ns, "llm-replay-32").get("status") or {}).get("phase") == "Contained",
+               what="Contained")
+    status = world.incident(ns, "llm-replay-32")["status"]
+    assert status["nodes"][nodes[1]].get("refused") == "SharedNode", status["nodes"]
+    assert slot_of(world, nodes[1]) is None
+    assert world.node_state(nodes[1]) == (False, None)
+    assert [r for r in world.replacements() if r["spec"]["nodeName"] == nodes[1]] == []

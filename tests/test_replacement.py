@@ -12,6 +12,7 @@ import json
 import time
 
 import pytest
+from sdcguard.contract import names
 from conftest import (CLUSTER, GROUP, approved_replacement, dump, make_alarm, metric, new_instance, phase,
                       start_training)
 
@@ -50,6 +51,32 @@ def test_pending_since_the_health_check_and_gone_once_it_moves_on(world):
     world.wait(lambda: phase(world, nodes[1]) == "Denied", what="Denied")
     # Denied is terminal (no more timer ticks): the series goes with the move itself
     world.wait(lambda: f'nodereplacement="{nodes[1]}"' not in world.metrics(), what="the series gone")
+
+
+@pytest.mark.slow  # waits out a resync period (6 s here): make test-slow
+def test_a_phase_whose_watch_event_was_lost_still_resolves_the_incident(world):
+    """The incident takes its replacements' phases from their watch events, in a handler kopf does
+    not retry: with the incident's status writes refused while the denial lands, that one write
+    was lost and the incident waited in AwaitingApproval for good (until an operator restart).
+    Now a waiting incident re-reads its replacements now and then."""
+    ns = "lost-phase-event"
+    ids, nodes, pods = start_training(world, ns, n_nodes=2)
+    world.alarm_event(ns, make_alarm(ns, "llm", check="replay", step=21, suspects=[(1, pods[1], nodes[1])],
+                                     reporter=(0, pods[0], nodes[0])))
+    world.wait(lambda: phase(world, nodes[1]) == "PendingApproval", what="PendingApproval")
+    status_path = f"/apis/{names.GROUP}/{names.VERSION}/namespaces/{ns}/{names.INCIDENTS}/llm-replay-21/status"
+    world.wait(lambda: world.incident(ns, "llm-replay-21")["status"].get("phase") == "AwaitingApproval",
+               what="AwaitingApproval")
+    world.kube.reject("PATCH", status_path, 500)
+    try:
+        assert world.kubectl("sdcguard", "deny", nodes[1], "--reason", "false alarm").returncode == 0
+        world.wait(lambda: phase(world, nodes[1]) == "Denied", what="Denied")
+        time.sleep(1)  # the replacement's watch event is handled, and its write refused
+        assert world.incident(ns, "llm-replay-21")["status"]["phase"] == "AwaitingApproval"
+    finally:
+        world.kube.reject("PATCH", status_path, 500, times=0)
+    world.wait(lambda: world.incident(ns, "llm-replay-21")["status"].get("phase") == "Resolved",
+               what="the incident resolved by its resync", timeout=30)
 
 
 @pytest.mark.parametrize("kind", ["throttle", "in-use", "not-found"])
