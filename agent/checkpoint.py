@@ -72,17 +72,19 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], facts: Facts, *
     path = Path(path)
     plan = recovery.plan_save(facts.history, str(path), facts.step, keep=keep)
     outcome: dict[str, Any] = {"failure": None, "sha256": None, "kept": None}
+    failed: Exception | None = None
     if writer:
         try:
             outcome["kept"] = keep_file(plan.keep) if plan.keep is not None else None
             outcome["sha256"] = _write(path, state, facts, plan, outcome["kept"])
             _remove(plan.remove, path.parent)
-        except (CheckpointError, OSError) as exc:
-            outcome["failure"] = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - a full disk is torch.save's RuntimeError, a state that
+            # does not pickle its own error: any of them, every rank must learn it (none left waiting)
+            failed, outcome["failure"] = exc, f"{type(exc).__name__}: {exc}"
     if group is not None:  # every rank learns what the writer did (and waits until it has)
         outcome = broadcast_json(outcome if writer else None, 0, device, group)
     if outcome["failure"] is not None:
-        raise CheckpointError(f"checkpoint {path} was not written: {outcome['failure']}")
+        raise CheckpointError(f"checkpoint {path} was not written: {outcome['failure']}") from failed
     saved = recovery.Checkpoint(facts.step, str(path), facts.history.last_audited_step, outcome["sha256"])
     if writer:
         recovery.log_plan(plan, outcome["kept"], saved)

@@ -14,6 +14,8 @@ Six scenarios share one launch, each writing what it saw to OUT/<scenario>-rank<
              audit): the same ReplayError everywhere, none left in the confirmation's gather;
   tiebreak_fails  rank 2's gradient corrupted, and the third opinion's replay (rank 0) fails: the
              alarm names both ranks of the pair (ambiguous), none left in the tie-break's broadcast;
+  checkpoint_failures  a save whose state rank 0 cannot pickle, a load of a file one rank cannot
+             see: an error on every rank, none left in the next collective;
   exchange   the agreement all-reduce (equal digests, one differing, one veto, digests that differ
              only past the bits it compares) and the ring transfer with its note;
   step_api   the user's own loop through guard.step (weight= accumulation, clipping, a scheduler,
@@ -266,6 +268,29 @@ def tiebreak_fails(rank, out):
                 "tiebreaks": exc.alarm["evidence"].get("tiebreaks"), "applied": bool((model.w != 0).any())}
 
 
+def checkpoint_failures(rank, out):
+    model = Scaled()
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    guard = sdcguard.Guard(ddp, opt, lambda module, c: module(c), config=Config(audit_every=0, weight_check_every=0))
+    guard.train_step(0, torch.full((4,), 1.0, dtype=torch.float64))
+    seen = {}
+    try:  # rank 0 writes; what it cannot pickle fails there alone (before: a RuntimeError of its own)
+        guard.save_checkpoint(os.path.join(out, "unpicklable.pt"), 0, state={"model": model.state_dict(),
+                                                                            "hook": lambda: None})
+        seen["save"] = "saved"
+    except CheckpointError as exc:
+        seen["save"] = str(exc)
+    good = os.path.join(out, "good.pt")
+    guard.save_checkpoint(good, 0)
+    try:  # rank 2's node does not see the file
+        guard.load_checkpoint(good if rank != 2 else os.path.join(out, "not-on-this-node.pt"))
+        seen["load"] = "loaded"
+    except Exception as exc:  # noqa: BLE001 - the type is what the test looks at
+        seen["load"] = f"{type(exc).__name__}: {exc}"
+    return seen
+
+
 def exchange(rank, out):
     from sdcguard.checks.exchange import agree, ring_post, serialize
 
@@ -434,7 +459,8 @@ def main(out):
     rank = dist.get_rank()
     for name, scenario in (("clean", clean), ("scaler", scaler), ("threads", threads), ("huge", huge),
                            ("replay_fails", replay_fails), ("confirmation_fails", confirmation_fails),
-                           ("tiebreak_fails", tiebreak_fails), ("exchange", exchange), ("step_api", step_api),
+                           ("tiebreak_fails", tiebreak_fails), ("checkpoint_failures", checkpoint_failures),
+                           ("exchange", exchange), ("step_api", step_api),
                            ("data_inf", data_inf), ("compiled", compiled), ("checksum", checksum)):
         result = scenario(rank, out)
         with open(os.path.join(out, f"{name}-rank{rank}.json"), "w") as fh:

@@ -163,6 +163,19 @@ def test_a_tiebreak_replay_that_raises_leaves_both_ranks_suspect_without_hanging
         assert [(t["replayer"], t["owner"], t["third"], t["agrees_with"]) for t in r["tiebreaks"]] == [(1, 2, 0, "neither")], r
 
 
+def test_a_checkpoint_that_fails_on_one_rank_fails_on_every_rank(run):
+    # Before, rank 0's pickling error left the others in the outcome's broadcast, and ranks 0 and 1
+    # went on from a load rank 2 could not make, into collectives rank 2 never joined.
+    _, result = run
+    for rank, r in enumerate(result("checkpoint_failures")):
+        assert r["save"].startswith("checkpoint ") and "was not written" in r["save"], r
+        assert "pickle" in r["save"].lower(), r
+        if rank == 2:
+            assert r["load"].startswith("CheckpointError") and "not-on-this-node.pt" in r["load"], r
+        else:
+            assert r["load"].startswith("CheckpointError") and "not on every rank (rank 2: " in r["load"], r
+
+
 def test_the_users_own_loop_is_bitwise_the_plain_ddp_loop(run):
     # guard.step with weight= accumulation, clip_grad_norm_ and a scheduler kept in the user's code,
     # audits and weight checks on every step: parameters, buffers, .grad and optimizer state equal

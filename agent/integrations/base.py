@@ -68,13 +68,13 @@ def adopt(guard: Guard, path: str, manifest: Mapping[str, Any], weights_digest: 
 
 def rank0_outcome(guard: Guard, work: Callable[[], Mapping[str, Any]], refusal: str) -> dict[str, Any]:
     """Rank 0 runs ``work`` (e.g. writes a manifest) and every rank gets what it returned; when it
-    raised ``CheckpointError`` or ``OSError``, every rank raises ``CheckpointError("{refusal}: ...")``.
-    Collective: every rank calls it."""
+    raised (``CheckpointError``, ``OSError``, a full disk's ``RuntimeError``, anything), every rank
+    raises ``CheckpointError("{refusal}: ...")``. Collective: every rank calls it."""
     outcome: dict[str, Any] = {"failure": None}
     if guard.topology.rank == 0:
         try:
             outcome.update(work())
-        except (CheckpointError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - every rank learns it below, none is left waiting
             outcome["failure"] = f"{type(exc).__name__}: {exc}"
     if not guard.solo:
         outcome = broadcast_json(outcome if guard.topology.rank == 0 else None, 0, guard.device, guard.group)

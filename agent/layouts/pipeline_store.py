@@ -108,20 +108,26 @@ class PipelineStore:
         if failures:
             raise checkpoint.CheckpointError(f"pipeline checkpoint {path} was not written: {failures[0]}")
         stages = {str(p): {"file": stage_file(p), "sha256": s} for p, s, _ in said}
-        top = None
+        top, failure = None, None
         if me == 0:
-            write_json_atomic(Path(path) / MANIFEST, json.dumps({
-                "schema": SCHEMA, "step": step, "verified": True, "stages": stages,
-                "weights_verified": self.replicas.weights_group is not None, "replication": self.replicas.kind,
-                "positions": self.grid.positions, "replicas": self.grid.replicas,
-                "num_stages": self.grid.num_stages, "model_key": model_key,
-                **manifest_codec.verification_fields(history, step, str(path), plan, kept),
-                "verified_at": now_rfc3339(), "run_id": self.topology.run_id,
-            }, indent=2, sort_keys=True))
-            top = manifest_codec.sha256_file(Path(path) / MANIFEST)
-            for victim in recovery.removable(plan.remove, str(Path(path).parent)):
-                shutil.rmtree(victim, ignore_errors=True)
-        top = gather_objects(top, None, self.device)[0]
+            try:
+                write_json_atomic(Path(path) / MANIFEST, json.dumps({
+                    "schema": SCHEMA, "step": step, "verified": True, "stages": stages,
+                    "weights_verified": self.replicas.weights_group is not None, "replication": self.replicas.kind,
+                    "positions": self.grid.positions, "replicas": self.grid.replicas,
+                    "num_stages": self.grid.num_stages, "model_key": model_key,
+                    **manifest_codec.verification_fields(history, step, str(path), plan, kept),
+                    "verified_at": now_rfc3339(), "run_id": self.topology.run_id,
+                }, indent=2, sort_keys=True))
+                top = manifest_codec.sha256_file(Path(path) / MANIFEST)
+            except Exception as exc:  # noqa: BLE001 - every rank learns it below, none is left waiting
+                failure = f"{type(exc).__name__}: {exc}"
+            else:
+                for victim in recovery.removable(plan.remove, str(Path(path).parent)):
+                    shutil.rmtree(victim, ignore_errors=True)
+        top, failure = gather_objects([top, failure], None, self.device)[0]
+        if failure:
+            raise checkpoint.CheckpointError(f"pipeline checkpoint {path} was not written: manifest: {failure}")
         # pure FSDP over the stages: check 3 never compared these weights, so no alarm names them
         saved = recovery.Checkpoint(step, str(path), history.last_audited_step, top,
                                     cross_checked=self.replicas.weights_group is not None)

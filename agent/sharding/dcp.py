@@ -90,7 +90,7 @@ def save(path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: tor
     if rank == 0:
         try:
             _prepare(path, staging)
-        except (CheckpointError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - every rank learns it below
             ready = f"{type(exc).__name__}: {exc}"
     ready = broadcast_json({"failure": ready} if rank == 0 else None, 0, device, None)["failure"]
     if ready is not None:
@@ -111,7 +111,7 @@ def save(path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: tor
     if rank == 0:
         try:
             outcome["sha256"], outcome["kept"] = _finish(path, staging, reports, facts, plan, model_key, list(state))
-        except (CheckpointError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - every rank learns it below
             outcome["failure"] = f"{type(exc).__name__}: {exc}"
             shutil.rmtree(staging, ignore_errors=True)
     outcome = broadcast_json(outcome if rank == 0 else None, 0, device, None)
@@ -142,15 +142,20 @@ def load(path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: tor
             manifest = dcp_manifest.read(path, expect_step=expect_step, expect_sha256=expect_sha256)
             listing = dcp_manifest.judge_files(manifest, {}, dcp_manifest.listed(path))
             told = {"manifest": manifest, "failure": "; ".join(listing) or None}
-        except (CheckpointError, OSError) as exc:
-            told = {"manifest": None, "failure": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - every rank learns it below
+            told = {"manifest": None, "failure": str(exc) if isinstance(exc, CheckpointError)
+                    else f"{type(exc).__name__}: {exc}"}
     told = broadcast_json(told, 0, device, None)
     if told["failure"] is not None:
         raise CheckpointError(f"{path}: {told['failure']}" if told["manifest"] is not None else told["failure"])
     manifest = told["manifest"]
     _same_model(path, manifest, layout, model_key, [n for n, _ in named_parameters])
     mine = sorted(manifest["files"])[rank::world]  # every file hashed once, shared out over the ranks
-    problems = _everyone(dcp_manifest.judge_files(manifest, dcp_manifest.hash_files(path, mine)), device)
+    try:
+        mine_judged: str | list[str] = dcp_manifest.judge_files(manifest, dcp_manifest.hash_files(path, mine))
+    except OSError as exc:  # this rank cannot read its share (EIO, EACCES): said, not left alone with it
+        mine_judged = f"rank {rank} could not read its files: {type(exc).__name__}: {exc}"
+    problems = _everyone(mine_judged, device)
     if problems:
         raise CheckpointError(f"{path} was not loaded: " + "; ".join(problems))
     with zero_step():  # DCP loads into the optimizer's state, which must exist first

@@ -123,7 +123,14 @@ class UpdateCheck:
             self.snapshot, self.unreplayable = None, "a GradScaler (or the device gate) set grad_scale/found_inf on the fused optimizer"
             return None
         started = time.perf_counter()
-        self.snapshot = take_snapshot(optimizer, self.armed, self.names, _local)
+        try:
+            self.snapshot = take_snapshot(optimizer, self.armed, self.names, _local)
+        except Exception as exc:  # noqa: BLE001 - out of memory for the copy: this update goes unchecked
+            # (every rank learns it at the check, as for an update nobody could copy), never a
+            # failed optimizer.step() on this rank alone while the others go on into the check
+            log.warning("sdcguard: copying step %s's update for its re-run failed: %s: %s", self.armed,
+                        type(exc).__name__, exc)
+            self.snapshot, self.unreplayable = None, f"copying its inputs failed on a rank ({type(exc).__name__})"
         self.seconds = {"copy": time.perf_counter() - started}
         return None
 
@@ -141,9 +148,15 @@ class UpdateCheck:
         # A rank without a copy (no optimizer.step() in the step, a closure) still joins the ring with
         # an empty one: the agreement below is the only collective of a passing check.
         started = time.perf_counter()
-        mine = owner_result(self.optimizer, snap.names, _local) if snap is not None else []
-        my_digest = result_digest(mine) if snap is not None else bytes(DIGEST_BYTES)
-        blob = _frame(snap)
+        try:
+            mine = owner_result(self.optimizer, snap.names, _local) if snap is not None else []
+            my_digest = result_digest(mine) if snap is not None else bytes(DIGEST_BYTES)
+            blob = _frame(snap)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory for the frame: joined without a copy
+            log.warning("sdcguard: step %d: this rank's update could not be sent for its re-run: %s: %s", step,
+                        type(exc).__name__, exc)
+            self.unreplayable = f"sending it failed on a rank ({type(exc).__name__})"
+            snap, mine, my_digest, blob = None, [], bytes(DIGEST_BYTES), _frame(None)
         self.bytes_sent, self.last_nbytes = blob.numel(), snap.nbytes if snap is not None else 0
         self.seconds["send"] = time.perf_counter() - started
         after, before = (self.rank + 1) % self.world, (self.rank - 1) % self.world
@@ -207,16 +220,23 @@ class UpdateCheck:
         return update_verdict(step, pairs, world, settled, what)
 
     def _third_opinion(self, owner: int, third: int, snap: UpdateSnapshot, blob: torch.Tensor) -> bytes | None:
-        """The digest of ``third``'s re-run of ``owner``'s update (on ``third``; None elsewhere)."""
-        if owner == third:
-            return result_digest(rerun(type(self.optimizer), snap)) if self.rank == owner else None
-        if self.rank == owner:
+        """The digest of ``third``'s re-run of ``owner``'s update (on ``third``; None elsewhere, and
+        from a re-run that failed: zeros are broadcast, which settle for neither side)."""
+        if self.rank == owner and owner != third:
             _unframe(ring_post(blob, bytes(DIGEST_BYTES), third, None, self.device, None), self.device)
-        elif self.rank == third:
+            return None
+        if self.rank != third:
+            return None
+        try:
+            if owner == third:
+                return result_digest(rerun(type(self.optimizer), snap))
             owners = _unframe(ring_post(None, bytes(DIGEST_BYTES), None, owner, self.device, None), self.device)
             assert owners is not None  # the owner of a mismatching pair had its copy
             return result_digest(rerun(type(self.optimizer), owners))
-        return None
+        except Exception:  # noqa: BLE001 - the others wait for this rank's answer in the broadcast
+            log.exception("sdcguard: the tie-break re-run of rank %d's update failed; both sides stay suspect",
+                          owner)
+            return None
 
     def _tell_once(self, message: str) -> None:
         key = message.split(":", 1)[-1]
