@@ -236,7 +236,13 @@ def reannounce(node_name: str, incidents: list[str], settings: Settings) -> bool
     holder = slot_holder(node_name, settings)
     if holder not in incidents or node_condition.announced(found, holder):
         return True
-    return announce(node_name, holder, settings)
+    if not announce(node_name, holder, settings):
+        return False
+    if slot_holder(node_name, settings) != holder:
+        # given back while this was written (a denial's release cleared before it): not left True.
+        # release() looks again once it has given the slot back; between the two, one clears it.
+        node_condition.clear(node_name, node_condition.RELEASED, "storm-guard slot given back", incidents=[holder])
+    return True
 
 
 def release(node_name: str, settings: Settings, keep_cordoned: bool = False,
@@ -247,7 +253,10 @@ def release(node_name: str, settings: Settings, keep_cordoned: bool = False,
 
     The condition goes first, and a failure to write it stops here (kopf.TemporaryError): once the
     slot is gone no later pass knows the node was sdcguard's, and a ``True`` left behind is a
-    remediation trigger (NodeHealthCheck) on a node a person gave back."""
+    remediation trigger (NodeHealthCheck) on a node a person gave back. Once the slot is given
+    back it is looked at again: a timer's lost-write pass (:func:`reannounce`) may have set it
+    ``True`` meanwhile."""
+    holder = slot_holder(node_name, settings)
     try:
         node_condition.clear(node_name, why, text)
     except Exception as exc:  # noqa: BLE001 - any API error: retried, the slot stays until it is written
@@ -267,4 +276,9 @@ def release(node_name: str, settings: Settings, keep_cordoned: bool = False,
         patch["spec"] = {"unschedulable": None}
     kube.core().patch_node(node_name, patch)
     _give_slot(node_name, settings)
+    if holder:
+        try:  # a True written for the holder since the clear above (a concurrent reannounce) goes too
+            node_condition.clear(node_name, why, text, incidents=[holder])
+        except Exception as exc:  # noqa: BLE001 - the slot is given back: reannounce clears what it set then
+            node_condition.log.warning("node %s: condition not looked at again after its release: %s", node_name, exc)
     return True

@@ -386,14 +386,14 @@ def _judge_history(namespace: str, name: str, ref: str, spec: dict[str, Any], se
     if not found:
         return _record(namespace, name, None, "", repeatOffenders=[], only_if=lambda st: "repeatOffenders" not in st)
     text = "; ".join(offenders.describe(o, settings) for o in found)
-    status = _record(namespace, name, "RepeatOffender", text[:4000], repeatOffenders=found,
-                     only_if=lambda st: "repeatOffenders" not in st,
-                     conditions=[kube.condition("RepeatOffender", True, "RepeatedAlarms", text[:1000])])
-    try:
+    try:  # the nodes first: recorded, the finding is never judged again, so a label missed would stay missed
         offenders.flag_nodes(found, settings)
-    except Exception as exc:  # noqa: BLE001 - the incident holds the finding; the node's mark is a courtesy
+    except Exception as exc:  # noqa: BLE001 - the history timer tries again (the record above is idempotent)
         logging.getLogger("sdcguard_operator.incident").warning(f"{ref}: repeat offenders' nodes not labelled: {exc}")
-    return status
+        return {}
+    return _record(namespace, name, "RepeatOffender", text[:4000], repeatOffenders=found,
+                   only_if=lambda st: "repeatOffenders" not in st,
+                   conditions=[kube.condition("RepeatOffender", True, "RepeatedAlarms", text[:1000])])
 
 
 def _record(namespace: str, name: str, event: str | None, message: str, **fields: Any) -> dict[str, Any]:
@@ -559,10 +559,6 @@ def _missing(namespace: str, name: str, ref: str, node: str, settings: Settings)
     contain.give_back_uncordoned(node, ref, settings)
     _record(namespace, name, "NodeMissing", f"node {node} no longer exists", nodes={node: {"missing": True}},
             only_if=_node_unset(node, "missing"))
-
-
-RESYNC_POLLS = 20
-"""How many of ``SDCGUARD_POLL_SECONDS`` between two re-reads of a waiting incident's replacements."""
 
 
 def awaits_replacements(status: dict[str, Any], **_: Any) -> bool:

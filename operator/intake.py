@@ -122,6 +122,10 @@ def _handle(event: dict[str, Any], settings: Settings, logger: logging.Logger | 
         namespace, name = record["job"]["namespace"], incident.incident_name(record)
         first = ledger.claim(record, job, event_name, name, settings) == "first"
         existing = incident.find(namespace, name)
+        if existing is not None and (existing.get("spec") or {}).get("event") == event_name:
+            # kopf's retry of the Event that opened it (its outcome's write failed): not a duplicate
+            _check_ours(existing, settings)
+            return f"incident:{name}"
         if existing is not None:  # a duplicate of a fault already validated (or a replay while it is open)
             _check_ours(existing, settings)
             incident.join(namespace, name, record["id"], event_name)

@@ -184,9 +184,9 @@ def _register_handlers(registry: kopf.OperatorRegistry, settings: Settings) -> N
                    lambda body, **_: incident.judge(dict(body), settings))  # layer 7 retried on its own
 
     # A safety net, not the path: each incident waiting for approval re-reads its replacements
-    # every RESYNC_POLLS polls (10 min by default), for a phase whose watch event was lost.
+    # every SDCGUARD_RESYNC_SECONDS (10 min), for a phase whose watch event was lost.
     kopf.timer(names.GROUP, names.VERSION, names.INCIDENTS, registry=registry, id="incident_follow",
-               interval=settings.poll_seconds * incident.RESYNC_POLLS, backoff=settings.retry_seconds,
+               interval=settings.resync_seconds, initial_delay=settings.resync_seconds, backoff=settings.retry_seconds,
                when=incident.awaits_replacements)(
                    lambda body, **_: incident.follow_replacements(dict(body), settings))  # on.event is not retried
     kopf.timer(names.GROUP, names.VERSION, names.INCIDENTS, registry=registry, id="incident_condition",

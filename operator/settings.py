@@ -58,6 +58,9 @@ class Settings:
     unavailable (5xx, internal errors, timeouts) before giving up."""
     storm_guard_recheck_seconds: float = 60.0
     """SDCGUARD_STORM_GUARD_RECHECK_SECONDS: how often an incident held by the storm guard retries."""
+    resync_seconds: float = 600.0
+    """SDCGUARD_RESYNC_SECONDS: how often an incident awaiting approval re-reads its NodeReplacements'
+    phases (a safety net for a watch event whose handling failed: kopf does not retry it)."""
     aws_connect_timeout: float = 5.0
     """SDCGUARD_AWS_CONNECT_TIMEOUT: seconds to connect to the SageMaker API."""
     aws_read_timeout: float = 20.0
@@ -175,6 +178,7 @@ class Settings:
             max_throttle_retries=_int(env, "SDCGUARD_MAX_THROTTLE_RETRIES", 8),
             max_unavailable_retries=_int(env, "SDCGUARD_MAX_UNAVAILABLE_RETRIES", 8),
             storm_guard_recheck_seconds=_float(env, "SDCGUARD_STORM_GUARD_RECHECK_SECONDS", 60.0),
+            resync_seconds=_float(env, "SDCGUARD_RESYNC_SECONDS", 600.0),
             aws_connect_timeout=_float(env, "SDCGUARD_AWS_CONNECT_TIMEOUT", 5.0),
             aws_read_timeout=_float(env, "SDCGUARD_AWS_READ_TIMEOUT", 20.0),
             leader_election=_bool(env, "SDCGUARD_LEADER_ELECTION", True),
@@ -219,8 +223,8 @@ class Settings:
                              "SDCGUARD_ALARM_BURST >= 1")
         if settings.max_alarm_age_seconds <= 0 or settings.clock_skew_seconds < 0:
             raise ValueError("SDCGUARD_MAX_ALARM_AGE_SECONDS must be > 0 and SDCGUARD_CLOCK_SKEW_SECONDS >= 0")
-        if settings.poll_seconds <= 0 or settings.retry_seconds <= 0:
-            raise ValueError("SDCGUARD_POLL_SECONDS and SDCGUARD_RETRY_SECONDS must be > 0")
+        if settings.poll_seconds <= 0 or settings.retry_seconds <= 0 or settings.resync_seconds <= 0:
+            raise ValueError("SDCGUARD_POLL_SECONDS, SDCGUARD_RETRY_SECONDS and SDCGUARD_RESYNC_SECONDS must be > 0")
         if settings.prometheus_url and not settings.prometheus_url.startswith(("http://", "https://")):
             raise ValueError("SDCGUARD_PROMETHEUS_URL must be an http:// or https:// URL, "
                              f"got {settings.prometheus_url!r}")

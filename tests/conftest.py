@@ -65,11 +65,12 @@ class OperatorWorld(Sandbox):
 
     def alarm_event(self, namespace: str, record: dict[str, Any] | None = None, *, raw: str | None = None,
                     involved_pod: str = "unknown", sign: bool = True, key: bytes | None = None,
-                    signature: str | None = None, uids: bool = True) -> str:
+                    signature: str | None = None, uids: bool = True, name: str | None = None) -> str:
         """Post an alarm Event the way the sidecar does (docs/design.md §4), signed with the named job's key
         (``key`` instead, ``signature`` as given, or unsigned with ``sign=False``); returns the
         Event's name. Text that names no job gets a well-formed signature no key makes. The record
-        gets the live uids first (:meth:`with_uids`) unless ``uids=False``."""
+        gets the live uids first (:meth:`with_uids`) unless ``uids=False``; ``name``: the Event's
+        own name instead of a generated one."""
         from sdcguard.contract import alarm, events
 
         if record is not None and uids:
@@ -89,7 +90,8 @@ class OperatorWorld(Sandbox):
         if record is not None and (record.get("suspects") or [record.get("reporter")])[0]:
             involved_pod = ((record.get("suspects") or [record["reporter"]])[0].get("pod")) or involved_pod
         event = self.core.create_namespaced_event(namespace, {
-            "metadata": {"generateName": "sdcguard-alarm-", "namespace": namespace, "annotations": annotations},
+            "metadata": {**({"name": name} if name else {"generateName": "sdcguard-alarm-"}), "namespace": namespace,
+                         "annotations": annotations},
             "type": "Warning", "reason": "SilentDataCorruption", "message": "silent data corruption detected",
             "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": involved_pod, "namespace": namespace},
             "source": {"component": "sdcguard-agent"}})

@@ -138,6 +138,26 @@ def test_a_409_to_the_create_of_a_node_replacement_that_is_not_there_is_created_
 
 @pytest.mark.emulator
 @pytest.mark.operator
+def test_a_retried_alarm_event_does_not_join_the_incident_it_opened(world):
+    """The incident is created, then the write of the outcome onto the Event fails: kopf retries
+    the handler, which found the incident and joined it as a duplicate of itself (alarmCount 2, a
+    DuplicateAlarm naming the opening Event, the outcome "joined:"). Now the Event that opened
+    the incident is recognised."""
+    ns = "outcome-write-fails"
+    ids, nodes, pods = start_training(world, ns)
+    event_name = "sdcguard-alarm-outcome-retry"
+    world.kube.reject("PATCH", f"/api/v1/namespaces/{ns}/events/{event_name}", 500, times=1)
+    event = world.alarm_event(ns, make_alarm(ns, "llm", check="replay", step=9, suspects=[(1, pods[1], nodes[1])]),
+                              name=event_name)
+    world.wait(lambda: world.event_annotation(ns, event), what="intake annotation")
+    assert world.event_annotation(ns, event) == "incident:llm-replay-9"
+    status = world.incident(ns, "llm-replay-9")["status"]
+    assert status.get("alarmCount", 1) == 1 and "DuplicateAlarm" not in [t["event"] for t in status["timeline"]], status
+    assert ("PATCH", f"/api/v1/namespaces/{ns}/events/{event_name}") not in world.kube.emulator.rejections
+
+
+@pytest.mark.emulator
+@pytest.mark.operator
 def test_an_incident_the_operator_did_not_create_is_never_acted_on(world):
     """Attack (issue 20, 6): anyone who may create SDCIncidents wrote one by hand, naming a node of
     another tenant (and a job in another namespace); the operator reconciled it like its own:

@@ -53,12 +53,13 @@ def test_pending_since_the_health_check_and_gone_once_it_moves_on(world):
     world.wait(lambda: f'nodereplacement="{nodes[1]}"' not in world.metrics(), what="the series gone")
 
 
-@pytest.mark.slow  # waits out a resync period (6 s here): make test-slow
-def test_a_phase_whose_watch_event_was_lost_still_resolves_the_incident(world):
+@pytest.mark.slow  # a world of its own: make test-slow
+def test_a_phase_whose_watch_event_was_lost_still_resolves_the_incident(make_world):
     """The incident takes its replacements' phases from their watch events, in a handler kopf does
     not retry: with the incident's status writes refused while the denial lands, that one write
     was lost and the incident waited in AwaitingApproval for good (until an operator restart).
-    Now a waiting incident re-reads its replacements now and then."""
+    Now a waiting incident re-reads its replacements every SDCGUARD_RESYNC_SECONDS (1 s here)."""
+    world = make_world(SDCGUARD_RESYNC_SECONDS="1")
     ns = "lost-phase-event"
     ids, nodes, pods = start_training(world, ns, n_nodes=2)
     world.alarm_event(ns, make_alarm(ns, "llm", check="replay", step=21, suspects=[(1, pods[1], nodes[1])],
