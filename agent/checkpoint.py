@@ -170,9 +170,27 @@ def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module,
     ``expect_step`` / ``expect_sha256``: what the alarm named (``last_good_checkpoint_step`` /
     ``_sha256``); a file that holds anything else is refused. Raises CheckpointError on any
     mismatch and leaves the model untouched when the file is wrong."""
+    state, manifest = read_state(path, map_location=map_location, weights_only=weights_only,
+                                 expect_step=expect_step, expect_sha256=expect_sha256)
+    apply_state(path, state, manifest, model, optimizer, scaler, model_key=model_key)
+    return state
+
+
+def read_state(path: str | os.PathLike[str], *, map_location: Any = "cpu", weights_only: bool = True,
+               expect_step: int | None = None, expect_sha256: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(state, manifest)``: the file read, its bytes matching its manifest (and what an alarm
+    named), nothing loaded anywhere yet (the part of a load that one rank alone can fail: a file
+    its node does not see)."""
     path = Path(path)
     manifest = read_manifest(path, expect_step=expect_step, expect_sha256=expect_sha256)
-    state = _verified_state(path, manifest, map_location, weights_only)
+    return _verified_state(path, manifest, map_location, weights_only), manifest
+
+
+def apply_state(path: str | os.PathLike[str], state: Mapping[str, Any], manifest: Mapping[str, Any],
+                model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                scaler: torch.amp.GradScaler | None = None, *, model_key: str | None = None) -> None:
+    """Load a state :func:`read_state` returned into the model, the optimizer and the scaler; the
+    model's weights must then have the manifest's digest."""
     key = model_key or manifest.get("model_key", "model")
     model.load_state_dict(_strip_prefixes(state[key]))
     loaded = fingerprint_weights(list(model.named_parameters())).digest.hex()
@@ -182,7 +200,6 @@ def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module,
         optimizer.load_state_dict(state["optimizer"])
     if scaler is not None and state.get("scaler") is not None:
         scaler.load_state_dict(state["scaler"])
-    return state
 
 
 def read_verified_state(path: str | os.PathLike[str], *, map_location: Any = "cpu", expect_step: int | None = None,

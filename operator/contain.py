@@ -152,18 +152,24 @@ def give_back_uncordoned(node_name: str, incident_ref: str, settings: Settings) 
     suspended, another tenant's pod landed on it). Held, it would count against the storm guard
     for good, with no NodeReplacement to release it by. Whether a slot was given back; a node
     that carries the suspect label keeps its slot (it is cordoned: :func:`release` frees it)."""
+    if slot_holder(node_name, settings) != incident_ref or held_cordoned(node_name, incident_ref, settings):
+        return False
+    _give_slot(node_name, settings)
+    return True
+
+
+def held_cordoned(node_name: str, incident_ref: str, settings: Settings) -> bool:
+    """Whether sdcguard holds the node cordoned for ``incident_ref``: its slot, and the suspect
+    label (a node that is gone is not)."""
     if slot_holder(node_name, settings) != incident_ref:
         return False
     try:
         node = kube.core().read_node(node_name)
     except Exception as exc:
-        if not kube.not_found(exc):
-            raise
-    else:
-        if (node.metadata.labels or {}).get(names.SUSPECT_LABEL) == "true":
+        if kube.not_found(exc):
             return False
-    _give_slot(node_name, settings)
-    return True
+        raise
+    return (node.metadata.labels or {}).get(names.SUSPECT_LABEL) == "true"
 
 
 def _give_slot(node_name: str, settings: Settings) -> None:

@@ -208,8 +208,11 @@ def open_or_join(record: dict[str, Any], event_name: str, text: str, signature: 
         except Exception as exc:
             if not kube.conflict(exc):
                 raise
-            if find(namespace, name) is None:
+            found = find(namespace, name)
+            if found is None:
                 continue  # nothing there: the 409 was not "AlreadyExists"; create again
+            if (found.get("spec") or {}).get("event") == event_name:
+                return name, True  # this Event's own create (a 409 answered to a write that landed)
             join(namespace, name, record["id"], event_name)
             return name, False
         metrics.INCIDENTS.labels(record["check"]).inc()
@@ -388,9 +391,10 @@ def _judge_history(namespace: str, name: str, ref: str, spec: dict[str, Any], se
     text = "; ".join(offenders.describe(o, settings) for o in found)
     try:  # the nodes first: recorded, the finding is never judged again, so a label missed would stay missed
         offenders.flag_nodes(found, settings)
-    except Exception as exc:  # noqa: BLE001 - the history timer tries again (the record above is idempotent)
+    except Exception as exc:  # noqa: BLE001 - the incident holds the finding; the node's mark is a courtesy
         logging.getLogger("sdcguard_operator.incident").warning(f"{ref}: repeat offenders' nodes not labelled: {exc}")
-        return {}
+        if kube.transient(exc):
+            return {}  # the history timer tries again (the record above is idempotent)
     return _record(namespace, name, "RepeatOffender", text[:4000], repeatOffenders=found,
                    only_if=lambda st: "repeatOffenders" not in st,
                    conditions=[kube.condition("RepeatOffender", True, "RepeatedAlarms", text[:1000])])
@@ -436,7 +440,7 @@ def _unannounced(spec: dict[str, Any], status: dict[str, Any]) -> list[str]:
             and not state.get("replacement") and not state.get("announced")]
 
 
-def announce_held(body: dict[str, Any], settings: Settings) -> None:
+def announce_held(body: dict[str, Any], settings: Settings, retry: int = 0) -> None:
     """The node condition of each node held for this incident with no NodeReplacement, set again
     if the cordon's write was lost; recorded (``status.nodes.<node>.announced``) once it is there,
     or is no longer this incident's to set (the slot given back), so the timer stops. Only an
@@ -453,7 +457,7 @@ def announce_held(body: dict[str, Any], settings: Settings) -> None:
             _record(namespace, name, None, "", nodes={node: {"announced": True}}, only_if=_node_unset(node, "announced"))
         else:
             raise kopf.TemporaryError(f"node {node}: condition {names.NODE_CONDITION} not set yet for {ref}",
-                                      delay=settings.retry_seconds)
+                                      delay=settings.backoff(retry + 1))
 
 
 def _suspend(namespace: str, name: str, spec: dict[str, Any], status: dict[str, Any], settings: Settings) -> dict[str, Any]:
@@ -481,6 +485,8 @@ def _cordon_all(namespace: str, name: str, ref: str, spec: dict[str, Any], statu
                 or (recorded.get(node) or {}).get("refused"):
             continue
         problem = _verify_suspect(spec, status, node, settings)
+        if problem and contain.held_cordoned(node, ref, settings):
+            problem = None  # cordoned for it on a pass whose record was lost: its pods are gone since
         if problem:
             contain.give_back_uncordoned(node, ref, settings)
             _record(namespace, name, "SuspectRefused", f"{node} is not cordoned: {problem}",
@@ -488,7 +494,7 @@ def _cordon_all(namespace: str, name: str, ref: str, spec: dict[str, Any], statu
             continue
         if not settings.allow_shared_nodes:
             shared = contain.other_namespaces(node, namespace, settings)
-            if shared:
+            if shared and not contain.held_cordoned(node, ref, settings):
                 text = (f"{node} is not cordoned: it also runs pods of {len(shared)} other namespace(s); one "
                         "tenant's alarm does not take a shared node out of service. A person decides (cordon it "
                         "yourself, or set SDCGUARD_ALLOW_SHARED_NODES on a single-tenant cluster)")
@@ -533,7 +539,13 @@ def _open_replacements(namespace: str, name: str, ref: str, spec: dict[str, Any]
             _missing(namespace, name, ref, node, settings)  # gone since its slot was taken
             continue
         if (found_node.metadata.labels or {}).get(names.SUSPECT_LABEL) != "true":
-            continue  # the slot was taken, the cordon did not land: the next cordon pass makes it
+            # its suspect label removed by hand before a replacement was opened: a person took it
+            # over; the slot is given back (nothing else would) and nothing is opened
+            contain.give_back_uncordoned(node, ref, settings)
+            _record(namespace, name, "SuspectLabelRemoved", f"{node}: the {names.SUSPECT_LABEL} label was removed; "
+                    "no replacement is opened and its storm-guard slot is given back",
+                    nodes={node: {"refused": "SuspectLabelRemoved"}}, only_if=_node_unset(node, "refused"))
+            continue
         try:
             found = localize.localize(found_node, settings)
         except localize.NotLocalized as exc:

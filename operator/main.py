@@ -192,7 +192,7 @@ def _register_handlers(registry: kopf.OperatorRegistry, settings: Settings) -> N
     kopf.timer(names.GROUP, names.VERSION, names.INCIDENTS, registry=registry, id="incident_condition",
                interval=settings.storm_guard_recheck_seconds, initial_delay=settings.storm_guard_recheck_seconds,
                backoff=settings.retry_seconds, when=incident.needs_announcing)(
-                   lambda body, **_: incident.announce_held(dict(body), settings))  # nodes with no replacement
+                   lambda body, retry, **_: incident.announce_held(dict(body), settings, retry))  # nodes with no replacement
 
     if settings.incident_retention_seconds > 0:
         @kopf.timer(names.GROUP, names.VERSION, names.INCIDENTS, registry=registry, id="incident_retention",

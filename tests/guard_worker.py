@@ -283,11 +283,14 @@ def checkpoint_failures(rank, out):
         seen["save"] = str(exc)
     good = os.path.join(out, "good.pt")
     guard.save_checkpoint(good, 0)
+    guard.train_step(1, torch.full((4,), 1.0, dtype=torch.float64))  # the weights move on from the file's
+    before = model.w.detach().clone()
     try:  # rank 2's node does not see the file
         guard.load_checkpoint(good if rank != 2 else os.path.join(out, "not-on-this-node.pt"))
         seen["load"] = "loaded"
     except Exception as exc:  # noqa: BLE001 - the type is what the test looks at
         seen["load"] = f"{type(exc).__name__}: {exc}"
+    seen["unchanged"] = torch.equal(model.w, before)  # no rank loaded it: the replicas still agree
     return seen
 
 

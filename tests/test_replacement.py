@@ -68,11 +68,14 @@ def test_a_phase_whose_watch_event_was_lost_still_resolves_the_incident(make_wor
     status_path = f"/apis/{names.GROUP}/{names.VERSION}/namespaces/{ns}/{names.INCIDENTS}/llm-replay-21/status"
     world.wait(lambda: world.incident(ns, "llm-replay-21")["status"].get("phase") == "AwaitingApproval",
                what="AwaitingApproval")
-    world.kube.reject("PATCH", status_path, 500)
+    world.kube.reject("PATCH", status_path, 500, times=1000)
     try:
         assert world.kubectl("sdcguard", "deny", nodes[1], "--reason", "false alarm").returncode == 0
         world.wait(lambda: phase(world, nodes[1]) == "Denied", what="Denied")
-        time.sleep(1)  # the replacement's watch event is handled, and its write refused
+        # the replacement's watch event was handled, and its write refused (not left for later)
+        world.wait(lambda: world.kube.emulator.rejections_left.get(("PATCH", status_path), 1000) < 1000,
+                   what="the incident's status write refused")
+        time.sleep(0.5)
         assert world.incident(ns, "llm-replay-21")["status"]["phase"] == "AwaitingApproval"
     finally:
         world.kube.reject("PATCH", status_path, 500, times=0)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..contract.alarm import CHECK_NONFINITE_LOCAL, CHECK_REPLAY
 from .attribution import NEITHER, Attribution, attribute, mismatching_pairs, settle, suspects_after
-from .exchange import DIGEST_BYTES, Incoming, broadcast_digest, gather_objects, gather_tensor, ring_exchange, ring_post, serialize
+from .exchange import DIGEST_BYTES, Incoming, broadcast_digest, gather_objects, gather_tensor, ring_post, serialize
 from .replay import PassResult, Payload, replay
 from .replay_failures import CONFIRMATION, raise_replay_failures
 from .topology import Topology
@@ -88,12 +88,15 @@ class Replayer:
         that fails tells no digest (zeros, which settle for neither: both stay suspect), rather
         than leaving everyone in the broadcast."""
         me = self.topology.rank
-        theirs = ring_exchange(payload if me == owner else None, send_to=third if me == owner else None,
-                               recv_from=owner if me == third else None, device=self.device, group=self.group)
+        incoming = ring_post(serialize(payload) if me == owner else None, bytes(DIGEST_BYTES),
+                             send_to=third if me == owner else None, recv_from=owner if me == third else None,
+                             device=self.device, group=self.group)
         digest = None
-        if me == third:
+        if me != third:
+            incoming.receive()  # this rank's own send, if any, completes
+        else:
             try:
-                digest = self.run(theirs, scale).digest()
+                digest = self.run(incoming.receive(), scale).digest()
             except Exception:  # noqa: BLE001 - the others wait for this rank's answer
                 log.exception("sdcguard: the tie-break replay of rank %d's batch failed; both ranks stay suspect", owner)
         return broadcast_digest(digest, third, self.device, self.group)

@@ -71,15 +71,16 @@ def rank0_outcome(guard: Guard, work: Callable[[], Mapping[str, Any]], refusal: 
     raised (``CheckpointError``, ``OSError``, a full disk's ``RuntimeError``, anything), every rank
     raises ``CheckpointError("{refusal}: ...")``. Collective: every rank calls it."""
     outcome: dict[str, Any] = {"failure": None}
+    failed: Exception | None = None
     if guard.topology.rank == 0:
         try:
             outcome.update(work())
         except Exception as exc:  # noqa: BLE001 - every rank learns it below, none is left waiting
-            outcome["failure"] = f"{type(exc).__name__}: {exc}"
+            failed, outcome["failure"] = exc, f"{type(exc).__name__}: {exc}"
     if not guard.solo:
         outcome = broadcast_json(outcome if guard.topology.rank == 0 else None, 0, guard.device, guard.group)
     if outcome["failure"] is not None:
-        raise CheckpointError(f"{refusal}: {outcome['failure']}")
+        raise CheckpointError(f"{refusal}: {outcome['failure']}") from failed
     return outcome
 
 

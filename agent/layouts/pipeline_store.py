@@ -108,7 +108,7 @@ class PipelineStore:
         if failures:
             raise checkpoint.CheckpointError(f"pipeline checkpoint {path} was not written: {failures[0]}")
         stages = {str(p): {"file": stage_file(p), "sha256": s} for p, s, _ in said}
-        top, failure = None, None
+        top, failure, failed = None, None, None
         if me == 0:
             try:
                 write_json_atomic(Path(path) / MANIFEST, json.dumps({
@@ -121,13 +121,13 @@ class PipelineStore:
                 }, indent=2, sort_keys=True))
                 top = manifest_codec.sha256_file(Path(path) / MANIFEST)
             except Exception as exc:  # noqa: BLE001 - every rank learns it below, none is left waiting
-                failure = f"{type(exc).__name__}: {exc}"
+                failed, failure = exc, f"{type(exc).__name__}: {exc}"
             else:
                 for victim in recovery.removable(plan.remove, str(Path(path).parent)):
                     shutil.rmtree(victim, ignore_errors=True)
         top, failure = gather_objects([top, failure], None, self.device)[0]
         if failure:
-            raise checkpoint.CheckpointError(f"pipeline checkpoint {path} was not written: manifest: {failure}")
+            raise checkpoint.CheckpointError(f"pipeline checkpoint {path} was not written: manifest: {failure}") from failed
         # pure FSDP over the stages: check 3 never compared these weights, so no alarm names them
         saved = recovery.Checkpoint(step, str(path), history.last_audited_step, top,
                                     cross_checked=self.replicas.weights_group is not None)

@@ -44,34 +44,35 @@ class FileStore:
         if state is not None:
             raise TypeError("load_checkpoint(state=) is for sharded models; with DDP, sdcguard.load_checkpoint(path, "
                             "module, optimizer) returns the dict you saved")
-        manifest, failure = None, None
-        try:
-            manifest = checkpoint.read_manifest(path, expect_step=expect_step, expect_sha256=expect_sha256)
-            first = next(self.module.parameters(), None)
-            checkpoint.load_checkpoint(path, self.module, self.optimizer, self.scaler,
-                                       map_location=first.device if first is not None else "cpu", model_key=model_key,
-                                       expect_step=int(manifest["step"]), expect_sha256=manifest["sha256"])
+        first = next(self.module.parameters(), None)
+        read, failure = None, None
+        try:  # read and checked on every rank before any rank loads anything
+            read = checkpoint.read_state(path, map_location=first.device if first is not None else "cpu",
+                                         expect_step=expect_step, expect_sha256=expect_sha256)
         except Exception as exc:  # noqa: BLE001 - e.g. a file only some nodes see: agreed below
             if self.topology.world_size == 1:
                 raise
             failure = exc
         if self.topology.world_size > 1:
-            _agree_loaded(path, failure, self.device, self.group)
+            _agree_read(path, failure, self.device, self.group)
+        state, manifest = read
+        checkpoint.apply_state(path, state, manifest, self.module, self.optimizer, self.scaler, model_key=model_key)
         step = int(manifest["step"])
         return step, manifest_codec.resumed_history(path, manifest), manifest["weight_digest"]
 
 
-def _agree_loaded(path: str, failure: Exception | None, device: torch.device, group: dist.ProcessGroup | None) -> None:
-    """Collective: every rank loaded ``path``, or every rank raises: a rank that failed its own
-    error, the others a CheckpointError naming the ranks that could not (a file on one node's
-    disk, a stale mount). None goes on alone into the next step's collectives."""
+def _agree_read(path: str, failure: Exception | None, device: torch.device, group: dist.ProcessGroup | None) -> None:
+    """Collective: every rank read ``path``, or every rank raises, before any loads it (the weights
+    stay the same on every rank): a rank that failed its own error, the others a CheckpointError
+    naming the ranks that could not (a file on one node's disk, a stale mount). None goes on alone
+    into the next step's collectives."""
     said = gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}", group, device)
     failed = {rank: msg for rank, msg in enumerate(said) if msg is not None}
     if failure is not None:
         raise failure
     if failed:
         where = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failed.items()))
-        raise checkpoint.CheckpointError(f"{path} was loaded here but not on every rank ({where})")
+        raise checkpoint.CheckpointError(f"{path} was read here but not on every rank ({where}): nothing loaded")
 
 
 class DcpStore:
