@@ -362,16 +362,23 @@ def needs_history(status: dict[str, Any], **_: Any) -> bool:
                                                                      IncidentPhase.CONTAINED)
 
 
+def _verified_again(body: dict[str, Any], settings: Settings) -> dict[str, Any] | None:
+    """The incident read afresh, if the operator created it (its seal checked: the phase or field
+    that selected it for a timer is unsealed status); None otherwise (containment marks it)."""
+    fresh = kube.get_incident(body["metadata"]["namespace"], body["metadata"]["name"])
+    try:
+        verify(fresh, settings)
+    except NotVerified:
+        return None
+    return fresh
+
+
 def judge(body: dict[str, Any], settings: Settings) -> None:
     """Judge a contained incident's hardware (:func:`needs_history`): only one the operator created
     (its seal checked: the phase that selected it is unsealed status)."""
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    body = kube.get_incident(namespace, name)
-    try:
-        verify(body, settings)
-    except NotVerified:
-        return  # the containment handler marks it
-    if "repeatOffenders" not in (body.get("status") or {}):
+    body = _verified_again(body, settings)
+    if body is not None and "repeatOffenders" not in (body.get("status") or {}):
         _judge_history(namespace, name, f"{namespace}/{name}", body["spec"], settings)
 
 
@@ -446,11 +453,9 @@ def announce_held(body: dict[str, Any], settings: Settings, retry: int = 0) -> N
     or is no longer this incident's to set (the slot given back), so the timer stops. Only an
     incident the operator created (its seal checked)."""
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    body = kube.get_incident(namespace, name)
-    try:
-        verify(body, settings)
-    except NotVerified:
-        return  # the containment handler marks it
+    body = _verified_again(body, settings)
+    if body is None:
+        return
     ref = f"{namespace}/{name}"
     for node in _unannounced(body["spec"], body.get("status") or {}):
         if contain.reannounce(node, [ref], settings):
@@ -585,12 +590,8 @@ def awaits_replacements(status: dict[str, Any], **_: Any) -> bool:
 def follow_replacements(body: dict[str, Any], settings: Settings) -> None:
     """Take each NodeReplacement's phase into the incident again (:func:`sync`); only an incident
     the operator created (its seal checked)."""
-    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    try:
-        verify(kube.get_incident(namespace, name), settings)
-    except NotVerified:
-        return  # the containment handler marks it
-    sync(f"{namespace}/{name}")
+    if _verified_again(body, settings) is not None:
+        sync(f"{body['metadata']['namespace']}/{body['metadata']['name']}")
 
 
 def note(ref: str, event: str, message: str, replacement_name: str, phase: str, denied_healthy: bool = False) -> None:
